@@ -1,0 +1,24 @@
+# The two commands of the README. Both create/refresh .venv/ first (fast when it is up to date).
+PY := .venv/bin/python
+RUN_DIR ?= runs/quickstart
+
+.PHONY: install run test test-slow lint bench
+
+install:
+	@bash scripts/install.sh
+
+## The main job on CPU with the embedded defaults.
+run: install
+	@bash scripts/quickstart.sh $(RUN_DIR)
+
+## The test suite (CPU; slow and gpu tests excluded), plus lint.
+test: install
+	$(PY) -m ruff check megatron_agent tests tools bench
+	$(PY) -m pytest -m "not slow and not gpu" -q
+
+test-slow: install
+	$(PY) -m pytest -m slow -q
+
+lint: install
+	$(PY) -m ruff check megatron_agent tests tools bench
+	$(PY) -m ruff format --check megatron_agent tests tools bench

@@ -1,0 +1,1 @@
+"""megatron-agent: RL for tool-calling LLM agents on Megatron-core and vLLM."""

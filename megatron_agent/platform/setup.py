@@ -1,0 +1,71 @@
+"""Choose the device and process-group backend, start torch.distributed, seed every RNG."""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def has_cuda() -> bool:
+    """True where a CUDA GPU is usable."""
+    return torch.cuda.is_available()
+
+
+def backend_name() -> str:
+    """The torch.distributed backend for this machine: nccl with CUDA, gloo otherwise."""
+    return "nccl" if has_cuda() else "gloo"
+
+
+def device() -> torch.device:
+    """The compute device of this rank (its local GPU, or the CPU)."""
+    if has_cuda():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
+    """Start the default process group from torchrun's environment (or as a single rank).
+
+    On CPU the megatron-core CUDA redirection is enabled first. Returns (rank, world_size).
+    """
+    if not has_cuda():
+        from megatron_agent.platform import cuda_on_cpu
+
+        cuda_on_cpu.enable()
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if has_cuda():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend=backend_name(), timeout=timedelta(minutes=timeout_minutes))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy, torch and (when model parallel is initialised) Megatron's TP RNG."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

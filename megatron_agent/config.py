@@ -76,6 +76,14 @@ class RolloutConfig:
     """vLLM's share of GPU memory (GPU)."""
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
     """vLLM KV-cache size on CPU."""
+    max_trajectory_seconds: float = 0.0
+    """Wall-clock budget of one trajectory in seconds (0: none); past it the trajectory ends ('timeout')."""
+    stop_at_tool_call: bool = True
+    """End an assistant turn at the first `</tool_call>` (else at EOS only, allowing several calls per turn)."""
+    max_in_flight: int = 256
+    """Trajectories generating or running tools at the same time."""
+    seed: int = 0
+    """Seed of the rollout engine's sampler."""
 
 
 @dataclass
@@ -114,6 +122,10 @@ class DataConfig:
     """Prompts per RL step (each sampled n_samples times)."""
     seed: int = 1234
     """Shuffling seed."""
+    synthetic: str = "arithmetic"
+    """Synthetic tasks used when the task path is empty: arithmetic (calculator) or multihop (search)."""
+    num_synthetic_tasks: int = 16
+    """How many synthetic tasks to generate."""
 
 
 @dataclass
@@ -126,6 +138,14 @@ class ToolsConfig:
     """Per-call timeout in seconds."""
     max_tool_response_tokens: int = 256
     """Tool output longer than this is truncated."""
+    truncate_side: str = "middle"
+    """Part of a too-long tool output that is dropped: left, middle or right."""
+    search_index_dir: str = ""
+    """Folder of the prebuilt BM25 index of the `search` tool (see envs/tools/search.py)."""
+    search_top_k: int = 3
+    """Passages returned by one `search` call."""
+    python_memory_mb: int = 512
+    """Address-space limit of one `python` tool run, in MiB."""
 
 
 @dataclass
@@ -217,13 +237,13 @@ def _all_dotted_keys(cls, prefix: str = "") -> list[str]:
     return keys
 
 
-def _unknown_key_error(key: str, cls, prefix: str) -> ConfigError:
+def _unknown_key_error(key: str, value: Any, prefix: str) -> ConfigError:
+    """An error naming the full dotted key the user wrote and the nearest valid one."""
     full = f"{prefix}{key}"
-    candidates = _all_dotted_keys(Config)
-    near = difflib.get_close_matches(full, candidates, n=1, cutoff=0.5)
-    if not near:
-        near = difflib.get_close_matches(key, _field_names(cls), n=1, cutoff=0.5)
-        near = [f"{prefix}{near[0]}"] if near else []
+    while isinstance(value, dict) and len(value) == 1:  # follow a single-key override down
+        ((sub, value),) = value.items()
+        full = f"{full}.{sub}"
+    near = difflib.get_close_matches(full, _all_dotted_keys(Config), n=1, cutoff=0.5)
     hint = f"; did you mean '{near[0]}'?" if near else ""
     return ConfigError(f"unknown config key '{full}'{hint}")
 
@@ -267,11 +287,14 @@ def _coerce(value: Any, typ, key: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}")
         try:
-            if typ is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return typ(float(value)) if typ is int and isinstance(value, str) and "e" in value.lower() else typ(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}") from None
+        if typ is int:
+            if not number.is_integer():
+                raise ConfigError(f"config key '{key}' expects int, got {value!r}")
+            return int(number)
+        return number
     if typ is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
@@ -284,7 +307,7 @@ def _apply_mapping(obj, mapping: dict, prefix: str = "") -> None:
     names = _field_names(cls)
     for key, value in mapping.items():
         if key not in names:
-            raise _unknown_key_error(key, cls, prefix)
+            raise _unknown_key_error(key, value, prefix)
         f = next(f for f in dataclasses.fields(cls) if f.name == key)
         typ = _resolve_type(cls, f)
         if dataclasses.is_dataclass(typ):
@@ -316,7 +339,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         with open(path) as f:
             data = yaml.safe_load(f) or {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"
+            )
         _apply_mapping(cfg, data)
     for override in overrides:
         apply_override(cfg, override)

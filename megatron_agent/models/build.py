@@ -44,7 +44,9 @@ def resolve_transformer_impl(requested: str) -> str:
     if requested == "auto":
         return "te" if te_available() else "local"
     if requested == "te" and not te_available():
-        raise ValueError("model.transformer_impl=te needs Transformer Engine and a CUDA GPU; use 'local' or 'auto'")
+        raise ValueError(
+            "model.transformer_impl=te needs Transformer Engine and a CUDA GPU; use 'local' or 'auto'"
+        )
     if requested not in ("te", "local"):
         raise ValueError(f"model.transformer_impl={requested!r}: choose auto, te or local")
     return requested
@@ -62,7 +64,9 @@ def transformer_config(arch: ModelArch, opts: BuildOptions):
         if opts.fp8 not in FP8_RECIPES:
             raise ValueError(f"model.fp8={opts.fp8!r}: choose one of {FP8_RECIPES} (or '' for off)")
         if impl != "te":
-            raise ValueError("model.fp8 needs Transformer Engine on a GPU; it is not available on this machine")
+            raise ValueError(
+                "model.fp8 needs Transformer Engine on a GPU; it is not available on this machine"
+            )
         fp8_kwargs = dict(fp8="hybrid", fp8_recipe=opts.fp8)
     dtype = DTYPES[opts.dtype]
     on_gpu = torch.cuda.is_available()
@@ -134,11 +138,13 @@ def build_model_chunks(arch: ModelArch, opts: BuildOptions, *, trainable: bool =
     vocab = padded_vocab_size(arch.vocab_size, opts.tp)
     num_chunks = opts.vpp if opts.vpp > 1 else 1
     if arch.num_layers % (opts.pp * num_chunks):
-        raise ValueError(
-            f"num_layers={arch.num_layers} is not divisible by pp*vpp={opts.pp * num_chunks}"
-        )
+        raise ValueError(f"num_layers={arch.num_layers} is not divisible by pp*vpp={opts.pp * num_chunks}")
     chunks = []
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     for vp_stage in range(num_chunks):
         stage = vp_stage if num_chunks > 1 else None
         with warnings.catch_warnings():

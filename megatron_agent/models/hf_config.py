@@ -86,7 +86,9 @@ def arch_from_hf_config(cfg: dict) -> ModelArch:
     head_dim = cfg.get("head_dim") or hidden // num_heads
     num_kv = cfg.get("num_key_value_heads") or num_heads
     if num_heads % num_kv:
-        raise UnsupportedModelError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}")
+        raise UnsupportedModelError(
+            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}"
+        )
     if family == "qwen2":
         qkv_bias = True
     else:
@@ -103,7 +105,9 @@ def arch_from_hf_config(cfg: dict) -> ModelArch:
         vocab_size=cfg["vocab_size"],
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_theta=float(
+            cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        ),
         rope_scaling=_rope_scaling(cfg),
         qkv_bias=qkv_bias,
         qk_norm=(family == "qwen3"),

@@ -78,7 +78,9 @@ class MegatronModel:
             use_distributed_optimizer=optim.use_distributed_optimizer,
         )
         self.chunks = [
-            DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+            DistributedDataParallel(
+                config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
+            )
             for i, chunk in enumerate(self.chunks)
         ]
 

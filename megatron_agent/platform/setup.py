@@ -33,6 +33,7 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
 
     On CPU the megatron-core CUDA redirection is enabled first. Returns (rank, world_size).
     """
+    quiet_megatron()
     if not has_cuda():
         from megatron_agent.platform import cuda_on_cpu
 
@@ -48,6 +49,16 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend=backend_name(), timeout=timedelta(minutes=timeout_minutes))
     return dist.get_rank(), dist.get_world_size()
+
+
+def quiet_megatron() -> None:
+    """Silence megatron-core's import-time warnings (Apex/TE fallbacks, deprecations)."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine|TE).*")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
 
 
 def seed_everything(seed: int) -> None:

@@ -61,7 +61,9 @@ def make_micro_batches(
             raise ValueError(f"sequence {k} has {len(seq)} tokens; at least 2 are needed for a log-prob")
         for name, values in extras.items():
             if len(values[k]) != len(seq) - 1:
-                raise ValueError(f"extras[{name!r}][{k}] has {len(values[k])} entries, expected {len(seq) - 1}")
+                raise ValueError(
+                    f"extras[{name!r}][{k}] has {len(values[k])} entries, expected {len(seq) - 1}"
+                )
     order = sorted(range(len(sequences)), key=lambda k: -len(sequences[k]))
     groups: list[list[int]] = []
     for k in order:
@@ -87,7 +89,9 @@ def make_micro_batches(
                 buf[row, : len(v)] = v
             mb_extras[name] = buf.to(device)
         positions = torch.arange(seq_len, dtype=torch.long).unsqueeze(0).expand(len(group), -1)
-        batches.append(MicroBatch(ids.to(device), positions.contiguous().to(device), valid.to(device), group, mb_extras))
+        batches.append(
+            MicroBatch(ids.to(device), positions.contiguous().to(device), valid.to(device), group, mb_extras)
+        )
     return batches
 
 
@@ -118,7 +122,9 @@ def _head_processor(mb: MicroBatch, *, true_vocab_size: int, with_entropy: bool,
             chunk_tokens=chunk_tokens,
             with_entropy=with_entropy,
         )
-        logp_BT = hidden_BSH.new_zeros(mb.valid_BT.shape, dtype=torch.float32).masked_scatter(mb.valid_BT, logp_N)
+        logp_BT = hidden_BSH.new_zeros(mb.valid_BT.shape, dtype=torch.float32).masked_scatter(
+            mb.valid_BT, logp_N
+        )
         entropy_BT = None
         if entropy_N is not None:
             entropy_BT = torch.zeros_like(logp_BT).masked_scatter(mb.valid_BT, entropy_N)
@@ -193,7 +199,9 @@ def _iterators_per_chunk(micro_batches: list[MicroBatch], num_chunks: int) -> li
     return [iter(list(micro_batches)) for _ in range(num_chunks)]
 
 
-def gather_per_sequence(outputs: list[dict], micro_batches: list[MicroBatch], key: str, num_sequences: int) -> list[torch.Tensor]:
+def gather_per_sequence(
+    outputs: list[dict], micro_batches: list[MicroBatch], key: str, num_sequences: int
+) -> list[torch.Tensor]:
     """Per-sequence 1-D tensors of `key` (valid targets only), in the caller's order."""
     result: list[torch.Tensor | None] = [None] * num_sequences
     for out, mb in zip(outputs, micro_batches):

@@ -56,9 +56,7 @@ class HFCheckpointReader:
         if file not in self._handles:
             from safetensors import safe_open
 
-            self._handles[file] = self._stack.enter_context(
-                safe_open(str(self.path / file), framework="pt")
-            )
+            self._handles[file] = self._stack.enter_context(safe_open(str(self.path / file), framework="pt"))
         return self._handles[file].get_tensor(name)
 
     def close(self) -> None:

@@ -14,7 +14,14 @@ import torch
 
 from megatron_agent.models.hf_config import ModelArch, padded_vocab_size
 from megatron_agent.weights.hf_io import HFCheckpointReader
-from megatron_agent.weights.mapping import ParamRule, all_hf_names, global_rules, hf_to_full, layer_rules, shard
+from megatron_agent.weights.mapping import (
+    ParamRule,
+    all_hf_names,
+    global_rules,
+    hf_to_full,
+    layer_rules,
+    shard,
+)
 
 # Names some HF checkpoints carry that are not parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -36,7 +43,11 @@ def chunk_param_rules(chunk, arch: ModelArch, impl: str) -> Iterator[tuple[str, 
             yield rule.megatron, rule, None
     if arch.tied_embeddings and "output_layer.weight" in params:
         # Last pipeline stage of a tied model keeps its own copy of the embedding.
-        yield "output_layer.weight", ParamRule("output_layer.weight", ("model.embed_tokens.weight",), "vocab"), None
+        yield (
+            "output_layer.weight",
+            ParamRule("output_layer.weight", ("model.embed_tokens.weight",), "vocab"),
+            None,
+        )
     for local_index, layer in enumerate(chunk.decoder.layers):
         global_index = layer.layer_number - 1
         for rule in layer_rules(arch, impl):
@@ -64,8 +75,12 @@ def check_checkpoint_names(reader: HFCheckpointReader, arch: ModelArch) -> None:
         if missing:
             parts.append(f"missing tensors: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
         if unexpected:
-            parts.append(f"unexpected tensors: {', '.join(unexpected[:10])}{' ...' if len(unexpected) > 10 else ''}")
-        raise CheckpointMismatchError(f"{reader.path} does not match {arch.architecture}: " + "; ".join(parts))
+            parts.append(
+                f"unexpected tensors: {', '.join(unexpected[:10])}{' ...' if len(unexpected) > 10 else ''}"
+            )
+        raise CheckpointMismatchError(
+            f"{reader.path} does not match {arch.architecture}: " + "; ".join(parts)
+        )
 
 
 @torch.no_grad()

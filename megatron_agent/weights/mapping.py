@@ -70,7 +70,9 @@ def layer_rules(arch: ModelArch, impl: str = "local") -> list[ParamRule]:
     rules = [
         ParamRule(norms["input_layernorm"], (hf + "input_layernorm.weight",), "replicated"),
         ParamRule("decoder.layers.{i}.self_attention.linear_qkv.weight", qkv, "qkv"),
-        ParamRule("decoder.layers.{i}.self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "row"),
+        ParamRule(
+            "decoder.layers.{i}.self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "row"
+        ),
         ParamRule(norms["pre_mlp_layernorm"], (hf + "post_attention_layernorm.weight",), "replicated"),
         ParamRule(
             "decoder.layers.{i}.mlp.linear_fc1.weight",
@@ -83,8 +85,20 @@ def layer_rules(arch: ModelArch, impl: str = "local") -> list[ParamRule]:
         bias = tuple(hf + f"self_attn.{p}_proj.bias" for p in "qkv")
         rules.append(ParamRule("decoder.layers.{i}.self_attention.linear_qkv.bias", bias, "qkv"))
     if arch.qk_norm:
-        rules.append(ParamRule("decoder.layers.{i}.self_attention.q_layernorm.weight", (hf + "self_attn.q_norm.weight",), "replicated"))
-        rules.append(ParamRule("decoder.layers.{i}.self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",), "replicated"))
+        rules.append(
+            ParamRule(
+                "decoder.layers.{i}.self_attention.q_layernorm.weight",
+                (hf + "self_attn.q_norm.weight",),
+                "replicated",
+            )
+        )
+        rules.append(
+            ParamRule(
+                "decoder.layers.{i}.self_attention.k_layernorm.weight",
+                (hf + "self_attn.k_norm.weight",),
+                "replicated",
+            )
+        )
     return rules
 
 
@@ -99,7 +113,9 @@ def all_hf_names(arch: ModelArch) -> list[str]:
 # ---- full-tensor transforms ------------------------------------------------------------------
 
 
-def hf_to_full(rule: ParamRule, hf_tensors: list[torch.Tensor], arch: ModelArch, padded_vocab: int) -> torch.Tensor:
+def hf_to_full(
+    rule: ParamRule, hf_tensors: list[torch.Tensor], arch: ModelArch, padded_vocab: int
+) -> torch.Tensor:
     """Combine the HF tensors of `rule` into the full Megatron tensor."""
     if rule.kind == "qkv":
         return _interleave_qkv(*hf_tensors, arch)

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny HF models made once per test session, helpers to launch torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random HF checkpoints: llama (tied, untied; llama3 rope), qwen2 (QKV bias), qwen3 (q/k norm)."""
+    from megatron_agent.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    specs = {
+        "llama_tied": ("llama", True),
+        "llama_untied": ("llama", False),
+        "qwen2": ("qwen2", False),
+        "qwen3": ("qwen3", False),
+    }
+    return {
+        name: make_tiny_model(root / name, fam, tied=tied, seed=i)
+        for i, (name, (fam, tied)) in enumerate(specs.items())
+    }
+
+
+def run_torchrun(script_args: list[str], nproc: int, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc_per_node nproc ARGS...` from the repository root; fail with its output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(_free_port()),
+    ]
+    proc = subprocess.run(
+        cmd + script_args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -108,6 +108,50 @@ class AlgorithmConfig:
     """Weight of the per-token k1 KL subtracted from rewards (REINFORCE++ style)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
+    policy_loss_mode: str = "vanilla"
+    """Policy loss: 'vanilla' (PPO clip with dual clip) or 'gspo' (sequence-level ratio)."""
+    log_ratio_clamp: float = 20.0
+    """The policy log-ratio is clamped to [-x, x] before the exp (masked positions removed first)."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group std (False gives Dr.GRPO)."""
+    gamma: float = 1.0
+    """Discount for reinforce_plus_plus and gae."""
+    lam: float = 1.0
+    """GAE lambda."""
+    loss_agg_horizon: int = 0
+    """Constant horizon of seq-mean-token-sum-norm (Dr.GRPO); 0 means the maximum response length."""
+    kl_reward_estimator: str = "k1"
+    """KL estimator for the KL-in-reward term (REINFORCE++ uses k1)."""
+    kl_ctrl: str = "fixed"
+    """KL coefficient controller for the KL-in-reward coefficient: 'fixed' or 'adaptive'."""
+    kl_target: float = 0.1
+    """Adaptive KL controller: target mean per-token KL."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller: horizon (in samples) of the proportional update."""
+    rollout_is: str = "none"
+    """Rollout-vs-trainer importance weights in the policy loss: 'none', 'token' or 'sequence'."""
+    rollout_is_cap: float = 2.0
+    """Cap of the rollout importance weights."""
+    rollout_is_mode: str = "truncate"
+    """Weights above the cap: 'truncate' (cap them) or 'mask' (drop the token or sequence)."""
+    mismatch_thresholds: list[float] = field(default_factory=lambda: [0.1, 1.0])
+    """|old - rollout| log-prob thresholds reported as mismatch/frac_abs_diff_gt_{t}."""
+    guard_enabled: bool = True
+    """Check loss, gradients and per-token log-ratios before each optimizer step; skip on a breach."""
+    guard_max_abs_log_ratio: float | None = 20.0
+    """Guard: largest |logprob - old_logprob| allowed on a loss token (None: off)."""
+    guard_max_ratio: float | None = None
+    """Guard: largest exp(logprob - old_logprob) allowed on a loss token (None: off)."""
+    guard_max_rollout_abs_log_ratio: float | None = 20.0
+    """Guard: largest |old_logprob - rollout_logprob| allowed on a loss token (None: off)."""
+    guard_max_abs_kl: float | None = None
+    """Guard: largest |logprob - ref_logprob| allowed on a loss token (None: off)."""
+    guard_max_grad_norm: float | None = None
+    """Guard: largest total gradient norm before clipping (None: off; non-finite always breaches)."""
+    guard_top_k: int = 5
+    """Guard: tokens listed per ranking in the culprit report."""
+    guard_max_consecutive_skips: int = 3
+    """Guard: steps in a row that may be skipped; one more breach stops the run with GuardError."""
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Datasets of tasks (prompt messages, tools allowed, reward spec) and synthetic task generators."""

@@ -1,0 +1,1 @@
+"""Environments: the tool protocol and built-in tools, reward functions, dotted-path lookup."""

@@ -1,0 +1,42 @@
+"""Built-in tools and the factory that builds a `ToolSet` from names or dotted paths."""
+
+from __future__ import annotations
+
+from megatron_agent.envs.registry import load_object
+from megatron_agent.envs.tools.base import Tool, ToolResult, ToolSet, validate_arguments
+from megatron_agent.envs.tools.calculator import Calculator
+
+BUILTIN_TOOLS = ("calculator", "search", "python")
+
+
+def make_tool(
+    spec: str, *, search_index_dir: str = "", search_top_k: int = 3, python_memory_mb: int = 512
+) -> Tool:
+    """A tool from a built-in name or a dotted path to a `Tool` subclass (built with no arguments),
+    a `Tool` instance, or a zero-argument factory returning one."""
+    if spec == "calculator":
+        return Calculator()
+    if spec == "search":
+        from megatron_agent.envs.tools.search import Search
+
+        if not search_index_dir:
+            raise ValueError(
+                "the search tool needs tools.search_index_dir (build it with build_search_index)"
+            )
+        return Search(search_index_dir, top_k=search_top_k)
+    if spec == "python":
+        from megatron_agent.envs.tools.python import Python
+
+        return Python(memory_mb=python_memory_mb)
+    if "." not in spec and ":" not in spec:
+        raise ValueError(f"unknown tool {spec!r}: use one of {BUILTIN_TOOLS} or a dotted path to a Tool")
+    obj = load_object(spec)
+    tool = obj() if callable(obj) and not isinstance(obj, Tool) else obj
+    if not isinstance(tool, Tool):
+        raise ValueError(
+            f"{spec!r} did not give a megatron_agent.envs.tools.Tool (got {type(tool).__name__})"
+        )
+    return tool
+
+
+__all__ = ["BUILTIN_TOOLS", "Calculator", "Tool", "ToolResult", "ToolSet", "make_tool", "validate_arguments"]

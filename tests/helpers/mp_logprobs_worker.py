@@ -19,6 +19,13 @@ def sequences(seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, 330, (n,), generator=g).tolist() for n in (23, 7, 40, 2, 15)]
 
 
+def parse_layout(layout: str) -> tuple[int, int, int]:
+    """'2x2' -> (2, 2, 1); '1x2v2' -> (1, 2, 2) (TP x PP, optional virtual stages)."""
+    tp_pp, _, vpp = layout.partition("v")
+    tp, pp = map(int, tp_pp.split("x"))
+    return tp, pp, int(vpp or 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", required=True)
@@ -39,9 +46,9 @@ def main() -> None:
     for model_path in args.models:
         name = os.path.basename(model_path)
         for layout in args.layouts:
-            tp, pp = map(int, layout.split("x"))
-            init_model_parallel(tp, pp)
-            model = MegatronModel.from_hf(model_path, BuildOptions(tp=tp, pp=pp), trainable=False)
+            tp, pp, vpp = parse_layout(layout)
+            init_model_parallel(tp, pp, vpp)
+            model = MegatronModel.from_hf(model_path, BuildOptions(tp=tp, pp=pp, vpp=vpp), trainable=False)
             lps = model.logprobs(seqs, max_tokens=64)
             local = (
                 [x.tolist() for x in lps]

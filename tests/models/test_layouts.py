@@ -13,7 +13,7 @@ import torch
 from tests.conftest import run_torchrun
 from tests.helpers.mp_logprobs_worker import sequences
 
-LAYOUTS = ["1x1", "2x1", "1x2", "2x2"]
+LAYOUTS = ["1x1", "2x1", "1x2", "2x2", "1x2v2"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_megatron_matches_hf(results, tiny_models, name):
         assert torch.allclose(mine, ref, atol=1e-4, rtol=0), (name, (mine - ref).abs().max())
 
 
-@pytest.mark.parametrize("layout", ["2x1", "1x2", "2x2"])
+@pytest.mark.parametrize("layout", ["2x1", "1x2", "2x2", "1x2v2"])
 @pytest.mark.parametrize("name", ["llama_tied", "llama_untied", "qwen2", "qwen3"])
 def test_layouts_match_tp1pp1(results, name, layout):
     base = results["logprobs"][f"{name}/1x1"]

@@ -132,3 +132,16 @@ def test_unsupported_architecture_and_rope_are_errors(tiny_models):
         arch_from_hf_config(
             dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None)
         )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_fp8_and_te_on_cpu_are_clear_errors(tiny_models):
+    from megatron_agent.models.build import BuildOptions, transformer_config
+
+    arch = arch_from_hf_config(load_hf_config(tiny_models["qwen2"]))
+    with pytest.raises(ValueError, match="model.fp8 needs Transformer Engine on a GPU"):
+        transformer_config(arch, BuildOptions(fp8="tensorwise"))
+    with pytest.raises(ValueError, match="transformer_impl=te needs Transformer Engine and a CUDA GPU"):
+        transformer_config(arch, BuildOptions(transformer_impl="te"))
+    with pytest.raises(ValueError, match="model.fp8='e5m2'"):
+        transformer_config(arch, BuildOptions(fp8="e5m2", transformer_impl="local"))

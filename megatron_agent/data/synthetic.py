@@ -68,12 +68,16 @@ def arithmetic_tasks(num_tasks: int, seed: int = 0, max_depth: int = 2) -> list[
     return tasks
 
 
-def _name(rng: random.Random, used: set[str], num_syllables: int) -> str:
-    while True:
-        name = "".join(rng.choice(_SYLLABLES) for _ in range(num_syllables)).capitalize()
-        if name not in used:
+def _name(rng: random.Random, used: set[str], num_syllables: int, avoid: tuple[str, ...] = ()) -> str:
+    """A fresh invented name, not inside (nor containing) any name in `avoid`."""
+    for attempt in range(10_000):
+        length = num_syllables + attempt // 50  # longer names once short ones run out
+        name = "".join(rng.choice(_SYLLABLES) for _ in range(length)).capitalize()
+        clash = any(name.lower() in a.lower() or a.lower() in name.lower() for a in avoid)
+        if name not in used and not clash:
             used.add(name)
             return name
+    raise RuntimeError("could not invent a fresh name")
 
 
 def multihop_corpus(num_countries: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -82,9 +86,11 @@ def multihop_corpus(num_countries: int, seed: int = 0) -> tuple[list[dict], list
     used: set[str] = set()
     passages, facts = [], []
     for i in range(num_countries):
-        country, city = _name(rng, used, 3), _name(rng, used, 2)
-        mayor = f"{_name(rng, used, 2)} {_name(rng, used, 2)}"
-        river = _name(rng, used, 2)
+        # A question names the country only: no other name of the fact may hide inside it.
+        country = _name(rng, used, 3)
+        city = _name(rng, used, 2, (country,))
+        mayor = f"{_name(rng, used, 2, (country, city))} {_name(rng, used, 2, (country, city))}"
+        river = _name(rng, used, 2, (country, city))
         facts.append({"country": country, "capital": city, "mayor": mayor})
         passages += [
             {"id": f"c{i}", "title": country, "text": f"The capital of {country} is {city}."},

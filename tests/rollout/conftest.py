@@ -12,7 +12,10 @@ def tiny_model_dir(tmp_path_factory):
     """A random tiny Qwen2 model (fp32) with the local tokenizer and chat template."""
     from megatron_agent.models.tiny import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("rollout_model") / "qwen2", "qwen2", seed=0)
+    # Longer positions than the default 512: tool schemas in the system prompt take ~300 ids.
+    return make_tiny_model(
+        tmp_path_factory.mktemp("rollout_model") / "qwen2", "qwen2", seed=0, max_position_embeddings=4096
+    )
 
 
 @pytest.fixture(scope="session")

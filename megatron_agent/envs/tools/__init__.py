@@ -31,7 +31,10 @@ def make_tool(
     if "." not in spec and ":" not in spec:
         raise ValueError(f"unknown tool {spec!r}: use one of {BUILTIN_TOOLS} or a dotted path to a Tool")
     obj = load_object(spec)
-    tool = obj() if callable(obj) and not isinstance(obj, Tool) else obj
+    try:
+        tool = obj() if callable(obj) and not isinstance(obj, Tool) else obj
+    except TypeError as exc:
+        raise ValueError(f"{spec!r} cannot be built with no arguments: {exc}") from None
     if not isinstance(tool, Tool):
         raise ValueError(
             f"{spec!r} did not give a megatron_agent.envs.tools.Tool (got {type(tool).__name__})"

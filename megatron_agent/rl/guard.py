@@ -282,7 +282,7 @@ class StepGuard:
 
         lim = self.limits
         zero = logp.new_zeros(())
-        max_ratio = torch.where(good, log_ratio, float("-inf")).max() if good.any() else zero - math.inf
+        max_ratio = torch.where(good, log_ratio, -math.inf).max() if good.numel() else zero - math.inf
 
         def good_max(name):
             return torch.where(good, scores[name], 0.0).max() if name in scores and good.numel() else zero
@@ -352,13 +352,16 @@ class StepGuard:
         *,
         loss: torch.Tensor | float | Iterable | None = None,
         parameters: Iterable[torch.nn.Parameter] | None = None,
+        grads: Iterable[torch.Tensor] | None = None,
         grad_norm: torch.Tensor | float | None = None,
     ) -> GuardDecision:
         """Decide whether optimizer step `step` must be skipped; same answer on all ranks.
 
         `loss`: the step's loss, or the list of micro-batch losses. `parameters`: whose `.grad`
-        are checked for non-finite values (the local total norm). `grad_norm`: an already
-        computed total gradient norm (checked for finiteness and `max_grad_norm`).
+        are checked for non-finite values (the local total norm). `grads`: gradient tensors to
+        check the same way where they do not live in `.grad` (Megatron DDP: `p.main_grad`).
+        `grad_norm`: an already computed total gradient norm (checked for finiteness and
+        `max_grad_norm`).
         Raises `GuardError` when this is breach number `max_consecutive_skips + 1` in a row.
         """
         group = self.group if self.group is not None else _default_group()
@@ -371,10 +374,11 @@ class StepGuard:
         flags["nonfinite_loss"] = any(not bool(torch.isfinite(torch.as_tensor(x)).all()) for x in losses)
 
         norms = []
+        tensors = [] if grads is None else [g for g in grads if g is not None]
         if parameters is not None:
-            grads = [p.grad for p in parameters if p.grad is not None]
-            if grads:
-                norms.append(float(torch.nn.utils.get_total_norm(grads)))
+            tensors += [p.grad for p in parameters if p.grad is not None]
+        if tensors:
+            norms.append(float(torch.nn.utils.get_total_norm(tensors)))
         if grad_norm is not None:
             norms.append(float(grad_norm))
         flags["nonfinite_grad"] = any(not math.isfinite(n) for n in norms)

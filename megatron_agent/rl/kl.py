@@ -37,29 +37,26 @@ def canonical_kl_estimator(estimator: str) -> str:
     return name
 
 
-def _k3_value_and_grad(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k3 and its derivative in d, with both clamps applied."""
-    neg_d = (-d).clamp(-_EXP_CLAMP, _EXP_CLAMP)
-    exp_neg_d = torch.exp(neg_d)
-    raw = exp_neg_d - neg_d - 1.0
-    value = raw.clamp(-_K3_CLAMP, _K3_CLAMP)
-    # d/dd [exp(-d) + d - 1] = 1 - exp(-d); zero where either clamp binds (as autograd would give).
-    live = (d.abs() <= _EXP_CLAMP) & (raw <= _K3_CLAMP)
-    grad = torch.where(live, 1.0 - exp_neg_d, 0.0)
-    return value, grad
+def _value_and_grad(neg_d: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Estimator value and its derivative in d = logprob - ref, from neg_d = -d.
 
-
-def _value_and_grad(d: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    A derivative of None means 1 everywhere (k1).
+    """
     if name == "k1":
-        return d, torch.ones_like(d)
+        return -neg_d, None
     if name == "abs":
-        return d.abs(), torch.sign(d)
-    if name == "k2":
-        return 0.5 * d * d, d
-    if name == "k1+":
-        return d, d
-    value, grad = _k3_value_and_grad(d)
-    return (value, grad) if name == "k3" else (value, d)
+        return neg_d.abs(), -torch.sign(neg_d)
+    if name in ("k2", "k1+"):
+        d = -neg_d
+        return (0.5 * d * d if name == "k2" else d), d
+    x = neg_d.clamp(-_EXP_CLAMP, _EXP_CLAMP)
+    raw = torch.expm1(x) - x  # exp(-d) + d - 1, >= 0
+    value = raw.clamp(max=_K3_CLAMP)
+    if name == "k3+":
+        return value, -neg_d
+    # d/dd k3 = 1 - exp(-d); zero where either clamp binds (as autograd would give).
+    live = (neg_d.abs() <= _EXP_CLAMP) & (raw <= _K3_CLAMP)
+    return value, torch.where(live, -torch.expm1(x), 0.0)
 
 
 class _KLPenalty(torch.autograd.Function):
@@ -67,18 +64,23 @@ class _KLPenalty(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logprob, ref_logprob, mask, name):
-        d = logprob.float() - ref_logprob.float()
+        neg_d = ref_logprob.float() - logprob.float()
         if mask is not None:
-            d = torch.where(mask, d, 0.0)
-        value, grad = _value_and_grad(d, name)
-        ctx.save_for_backward(grad)
+            neg_d = torch.where(mask, neg_d, 0.0)
+        value, grad = _value_and_grad(neg_d, name)
+        # k1: d value / d logprob is 1 except where masked, so only the mask is kept.
+        ctx.save_for_backward(mask if grad is None else grad)
+        ctx.has_coef = grad is not None
         ctx.dtypes = (logprob.dtype, ref_logprob.dtype)
         return value
 
     @staticmethod
     def backward(ctx, grad_out):
-        (grad,) = ctx.saved_tensors
-        g = grad_out * grad
+        (saved,) = ctx.saved_tensors
+        if ctx.has_coef:
+            g = grad_out * saved
+        else:
+            g = grad_out if saved is None else torch.where(saved, grad_out, 0.0)
         g_logprob = g.to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
         g_ref = (-g).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
         return g_logprob, g_ref, None, None
@@ -119,13 +121,13 @@ def compute_kl_loss(
     """The KL loss term: masked per-token `kl_penalty`, aggregated with `agg_loss`.
 
     Returns (loss, metrics) with metrics `kl_loss` (the loss, detached) and `kl_max` (the
-    largest per-token estimate over loss tokens). Multiply by the KL coefficient yourself.
+    largest per-token estimate; masked positions count as 0, the KL of identical policies). Multiply by the KL coefficient yourself.
     """
     mask = loss_mask.bool()
     kl_BT = kl_penalty(logprob, ref_logprob, estimator, loss_mask=mask)
     loss = agg_loss(kl_BT, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
     with torch.no_grad():
-        kl_max = torch.where(mask, kl_BT, float("-inf")).max() if mask.any() else kl_BT.new_zeros(())
+        kl_max = kl_BT.max() if kl_BT.numel() else kl_BT.new_zeros(())
     return loss, {"kl_loss": loss.detach(), "kl_max": kl_max}
 
 

@@ -32,42 +32,37 @@ class _ClippedPolicyLoss(torch.autograd.Function):
     """Per-token clipped loss from a (detached) log-ratio value; d/d logprob saved in forward."""
 
     @staticmethod
-    def forward(ctx, logprob, log_ratio, adv, mask, weights, low, high, clip_c, clamp, dual_clip):
+    def forward(ctx, logprob, log_ratio, abs_log_ratio, adv, weights, low, high, clip_c, clamp, dual_clip):
         ratio = torch.exp(log_ratio.clamp(-clamp, clamp))
         neg_adv = -adv
         loss1 = neg_adv * ratio
         loss2 = neg_adv * ratio.clamp(1.0 - low, 1.0 + high)
         clipped = loss2 > loss1
-        loss = torch.maximum(loss1, loss2)
-        # Where the unclipped branch is the one taken (ties included, as autograd would give the
-        # full gradient there), d loss / d log_ratio = -A * r; zero where the clamp binds.
-        live = (loss1 >= loss2) & (log_ratio.abs() <= clamp) & mask
-        lower = None
+        loss = torch.where(clipped, loss2, loss1)
+        # d loss / d log_ratio is -A * r (= loss1) where the unclipped branch is taken (ties
+        # included, as autograd gives there) and 0 where a clip or the clamp binds. Masked
+        # positions have A = 0, hence loss 0 and gradient 0.
+        dead = clipped | (abs_log_ratio > clamp)
         if dual_clip:
             loss3 = neg_adv * clip_c
-            lower = (adv < 0) & (loss > loss3)
+            lower = (neg_adv > 0) & (loss > loss3)
             loss = torch.where(lower, loss3, loss)
-            live = live & ~lower
-        grad = torch.where(live, loss1, 0.0)
+            dead |= lower
+        else:
+            lower = torch.zeros_like(clipped)
+        grad = loss1.masked_fill_(dead, 0.0)
         if weights is not None:
             loss = loss * weights
             grad = grad * weights
         ctx.save_for_backward(grad)
         ctx.logprob_dtype = logprob.dtype
-        ctx.mark_non_differentiable(clipped)
-        if lower is None:
-            lower = torch.zeros_like(clipped)
-        ctx.mark_non_differentiable(lower)
+        ctx.mark_non_differentiable(clipped, lower)
         return loss, clipped, lower
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_clipped, _grad_lower):
         (grad,) = ctx.saved_tensors
         return (grad_loss * grad).to(ctx.logprob_dtype), None, None, None, None, None, None, None, None, None
-
-
-def _masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor, num: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask_BT, x_BT, 0.0).sum() / num
 
 
 def token_policy_loss(
@@ -108,17 +103,19 @@ def token_policy_loss(
         if rollout_is_weights is not None:
             weights = torch.where(mask, rollout_is_weights.detach().float(), 0.0)
         num_tokens = mask.sum().clamp(min=1)
+        abs_log_ratio = log_ratio.abs()
         if loss_mode == "gspo":
             tokens_B = mask.sum(dim=-1, keepdim=True).clamp(min=1)
             seq_log_ratio_B1 = log_ratio.sum(dim=-1, keepdim=True) / tokens_B
             value_log_ratio = torch.where(mask, seq_log_ratio_B1.expand_as(log_ratio), 0.0)
+            value_abs_log_ratio = value_log_ratio.abs()
         else:
-            value_log_ratio = log_ratio
+            value_log_ratio, value_abs_log_ratio = log_ratio, abs_log_ratio
     loss_BT, clipped, lower = _ClippedPolicyLoss.apply(
         logprob,
         value_log_ratio,
+        value_abs_log_ratio,
         adv,
-        mask,
         weights,
         clip_ratio_low,
         clip_ratio_high,
@@ -127,11 +124,12 @@ def token_policy_loss(
         loss_mode == "vanilla",
     )
     with torch.no_grad():
+        # Masked positions have A = 0 and log-ratio 0: never clipped, never dual-clipped.
         metrics = {
-            "pg_clipfrac": _masked_mean(clipped.float(), mask, num_tokens),
-            "pg_clipfrac_lower": _masked_mean(lower.float(), mask, num_tokens),
+            "pg_clipfrac": clipped.sum() / num_tokens,
+            "pg_clipfrac_lower": lower.sum() / num_tokens,
             "ppo_kl": -log_ratio.sum() / num_tokens,
-            "max_abs_log_ratio": log_ratio.abs().max() if log_ratio.numel() else log_ratio.new_zeros(()),
+            "max_abs_log_ratio": abs_log_ratio.max() if log_ratio.numel() else log_ratio.new_zeros(()),
         }
     return loss_BT, metrics
 

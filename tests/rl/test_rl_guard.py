@@ -162,6 +162,9 @@ def test_nonfinite_loss_grads_and_tokens_breach(tmp_path):
     assert guard.check(0, parameters=[p]).reasons == ["nonfinite_grad"]
     assert guard.check(1, loss=[torch.tensor(1.0), torch.tensor(float("inf"))]).reasons == ["nonfinite_loss"]
     assert guard.check(2, grad_norm=6.0).reasons == ["grad_norm"]
+    assert guard.check(2, grads=[torch.tensor([3.0, 4.0]), torch.tensor([0.0])]).reasons == []  # norm 5
+    assert guard.check(2, grads=[torch.tensor([3.0, 4.1])]).reasons == ["grad_norm"]
+    assert guard.check(2, grads=[torch.tensor([float("-inf")])]).reasons == ["nonfinite_grad"]
     batch = _seed_batch(mask_culprit=True)
     batch.logprob.data[0, 0] = float("nan")  # a loss token
     batch.logprob.data[2, 4] = float("nan")  # masked: ignored

@@ -1,0 +1,83 @@
+"""Check a megatron-agent checkpoint against its HF model: logits and log-probs on the same tokens.
+
+    python tools/convert/verify.py --hf PATH --ckpt CKPT
+    torchrun --nproc_per_node 4 tools/convert/verify.py --hf PATH --ckpt CKPT --tp 2 --pp 2
+
+Runs the HF model (transformers) and the Megatron model loaded from the checkpoint at --tp/--pp
+on a random and a text batch; prints max |logit diff|, max |log-prob diff| and argmax agreement.
+Exit status 1 when a batch is above the tolerance for the checkpoint's dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import quiet  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf", required=True, help="HF model folder to compare with")
+    p.add_argument("--ckpt", required=True, help="checkpoint folder")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--batch", type=int, default=2, help="rows per batch")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per row")
+    p.add_argument("--atol-logits", type=float, default=None, help="override the dtype's logit tolerance")
+    p.add_argument(
+        "--atol-logprobs", type=float, default=None, help="override the dtype's log-prob tolerance"
+    )
+    args = p.parse_args(argv)
+    quiet()
+    import torch.distributed as dist
+
+    from megatron_agent.checkpoint.layout import HF_DIR, read_meta
+    from megatron_agent.checkpoint.logit_check import TOLERANCES, check_against_hf, within
+    from megatron_agent.checkpoint.model_io import load_checkpoint
+    from megatron_agent.models.build import DTYPES, BuildOptions, build_model_chunks
+    from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
+    from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
+
+    init_model_parallel(args.tp, args.pp)
+    meta = read_meta(args.ckpt)
+    arch = arch_from_hf_config(load_hf_config(args.hf))
+    chunks = build_model_chunks(
+        arch, BuildOptions(tp=args.tp, pp=args.pp, dtype=meta["dtype"]), trainable=False
+    )
+    load_checkpoint(args.ckpt, chunks, arch)
+    tol = dict(TOLERANCES[meta["dtype"]])
+    if args.atol_logits is not None:
+        tol["logits"] = args.atol_logits
+    if args.atol_logprobs is not None:
+        tol["logprobs"] = args.atol_logprobs
+    reports = check_against_hf(
+        chunks,
+        args.hf,
+        arch.vocab_size,
+        DTYPES[meta["dtype"]],
+        tokenizer_dir=Path(args.ckpt) / HF_DIR,
+        batch=args.batch,
+        seq_len=args.seq_len,
+    )
+    ok = all(within(r, tol) for r in reports)
+    if dist.get_rank() == 0:
+        for r in reports:
+            print(
+                f"{r.name:>6}: max|logit diff| {r.max_logit_diff:.3e}  max|logprob diff| {r.max_logprob_diff:.3e}  "
+                f"argmax agreement {r.argmax_agreement:.4f}  {'ok' if within(r, tol) else 'FAIL'}"
+            )
+        print(
+            f"{'PASS' if ok else 'FAIL'} ({meta['dtype']} tolerances: logits {tol['logits']}, "
+            f"logprobs {tol['logprobs']}, argmax >= {tol['argmax']}; tp={args.tp} pp={args.pp})"
+        )
+    destroy_model_parallel()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

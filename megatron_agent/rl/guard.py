@@ -333,10 +333,17 @@ class StepGuard:
         }
         values = torch.stack([columns[f].double().flatten()[index] for f in _FIELDS])
         score_values = torch.stack([s.double().flatten()[index] for s in scores.values()])
+        sample_ids = batch.sample_ids
+        if sample_ids is not None:  # tensors / numpy arrays -> JSON-friendly python values
+            sample_ids = [v.item() if hasattr(v, "item") else v for v in sample_ids]
         meta = {
             "micro_batch": len(self._candidates),
             "num_cols": num_cols,
-            "sample_ids": batch.sample_ids,
+            "given": {
+                "rollout_logprob": batch.rollout_logprob is not None,
+                "ref_logprob": batch.ref_logprob is not None,
+            },
+            "sample_ids": sample_ids,
             "token_source": batch.token_source,
             "decode": batch.decode,
             "score_names": list(scores),
@@ -451,6 +458,9 @@ class StepGuard:
                 rec = {f: values[i][j] for i, f in enumerate(_FIELDS)}
                 if not rec["loss_mask"]:
                     continue  # fewer loss tokens than top_k: topk also returned masked ones
+                for name, given in meta["given"].items():
+                    if not given:
+                        rec[name] = None
                 token_id = None if math.isnan(rec["token_id"]) else int(rec["token_id"])
                 rec.update(
                     rank=rank,

@@ -202,13 +202,14 @@ def test_topk_is_exact_over_micro_batches(tmp_path):
                 old_logprob=old,
                 advantages=torch.ones(1, 3),
                 loss_mask=torch.ones(1, 3, dtype=torch.bool),
-                sample_ids=[f"s{i}"],
+                sample_ids=[f"s{i}"] if i == 0 else torch.tensor([1]),
             )
         )
     d = guard.check(0)
     report = json.loads(d.report_path.read_text())
     top = [(r["sample_id"], r["position"], r["micro_batch"]) for r in report["top_by_abs_log_ratio"]]
-    assert top == [("s1", 0, 1), ("s0", 1, 0)]
+    assert top == [(1, 0, 1), ("s0", 1, 0)]
+    assert report["top_by_abs_log_ratio"][0]["rollout_logprob"] is None
     assert [r["scores"]["abs_log_ratio"] for r in report["breaching_tokens"]] == [30.0, 25.0, 21.0]
     assert d.metrics["guard/max_abs_log_ratio"] == 30.0 and math.isfinite(d.metrics["guard/num_loss_tokens"])
 

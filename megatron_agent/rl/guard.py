@@ -290,7 +290,7 @@ class StepGuard:
         def over(name, limit):
             return ((scores[name] > limit) & good).sum() if name in scores and limit is not None else zero
 
-        response = mask if batch.response_mask is None else batch.response_mask.bool()
+        masked = ~mask if batch.response_mask is None else batch.response_mask.bool() & ~mask
         self._stats.append(
             torch.stack(
                 [
@@ -300,7 +300,7 @@ class StepGuard:
                     good_max("abs_kl"),
                     bad.sum().float(),
                     mask.sum().float(),
-                    ((~mask) if batch.response_mask is None else (response & ~mask)).sum().float(),
+                    masked.sum().float(),
                     over("abs_log_ratio", lim.max_abs_log_ratio),
                     over("rollout_abs_log_ratio", lim.max_rollout_abs_log_ratio),
                     over("abs_kl", lim.max_abs_kl),

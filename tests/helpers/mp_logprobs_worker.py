@@ -30,7 +30,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", required=True)
     p.add_argument("--layouts", nargs="+", default=["1x1", "2x1", "1x2", "2x2"])
-    p.add_argument("--train-layout", default="")
+    p.add_argument("--train-layouts", nargs="*", default=[])
     p.add_argument("--train-models", nargs="*", default=None)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -41,7 +41,7 @@ def main() -> None:
     from megatron_agent.models.policy import MegatronModel
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
 
-    results = {"logprobs": {}, "train_losses": {}}
+    results = {"logprobs": {}, "train": {}}
     seqs = sequences()
     for model_path in args.models:
         name = os.path.basename(model_path)
@@ -59,46 +59,57 @@ def main() -> None:
             dist.all_gather_object(gathered, local)
             results["logprobs"][f"{name}/{layout}"] = next(g for g in gathered if g is not None)
             destroy_model_parallel()
-        if args.train_layout and (args.train_models is None or name in args.train_models):
-            results["train_losses"][name] = train_nll(model_path, args.train_layout, seqs)
+        if args.train_models is None or name in args.train_models:
+            for layout in args.train_layouts:
+                results["train"][f"{name}/{layout}"] = train_nll(model_path, layout, seqs)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
     dist.barrier()
 
 
-def train_nll(model_path: str, layout: str, seqs: list[list[int]], steps: int = 6) -> list[float]:
-    """Losses of `steps` optimizer steps of a masked token-mean NLL at `layout`."""
+def train_nll(model_path: str, layout: str, seqs: list[list[int]], steps: int = 6) -> dict:
+    """Losses and grad norms of `steps` optimizer steps of a masked token-mean NLL at `layout`.
+
+    Data-parallel replicas each take every dp-th sequence; the loss is normalised by the global
+    token count, so losses and gradients must not depend on the layout.
+    """
     from megatron.core import parallel_state as ps
 
     from megatron_agent.models.build import BuildOptions
     from megatron_agent.models.policy import MegatronModel, OptimConfig
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
 
-    tp, pp = map(int, layout.split("x"))
-    init_model_parallel(tp, pp)
+    tp, pp, vpp = parse_layout(layout)
+    init_model_parallel(tp, pp, vpp)
     model = MegatronModel.from_hf(
-        model_path, BuildOptions(tp=tp, pp=pp), trainable=True, optim=OptimConfig(lr=3e-3)
+        model_path, BuildOptions(tp=tp, pp=pp, vpp=vpp), trainable=True, optim=OptimConfig(lr=3e-3)
     )
     # Mask out the first half of every sequence's targets: only the rest carries loss.
     masks = [torch.tensor([float(i >= (len(s) - 1) // 2) for i in range(len(s) - 1)]) for s in seqs]
     num_tokens = float(sum(m.sum() for m in masks))
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mine = list(range(dp_rank, len(seqs), dp_size))
 
     def loss_fn(mb, logp_BT, entropy_BT):
         mask = mb.extras["mask"] * mb.valid_BT
         loss = -(torch.where(mask > 0, logp_BT, 0.0)).sum() / num_tokens
         return loss, {"nll_sum": -(logp_BT * mask).sum().detach()}
 
-    losses = []
+    losses, grad_norms = [], []
     for _ in range(steps):
-        outputs, info = model.train_step(seqs, loss_fn, extras={"mask": masks}, max_tokens=48)
-        total = sum(float(o["nll_sum"]) for o in outputs) / num_tokens if outputs else None
-        local = total if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 else None
+        outputs, info = model.train_step(
+            [seqs[k] for k in mine], loss_fn, extras={"mask": [masks[k] for k in mine]}, max_tokens=48
+        )
+        local = None
+        if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+            local = sum(float(o["nll_sum"]) for o in outputs)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
-        losses.append(next(g for g in gathered if g is not None))
+        losses.append(sum(g for g in gathered if g is not None) / num_tokens)  # one entry per DP replica
+        grad_norms.append(info["grad_norm"])
     destroy_model_parallel()
-    return losses
+    return {"losses": losses, "grad_norms": grad_norms}
 
 
 if __name__ == "__main__":

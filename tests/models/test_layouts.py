@@ -14,6 +14,8 @@ from tests.conftest import run_torchrun
 from tests.helpers.mp_logprobs_worker import sequences
 
 LAYOUTS = ["1x1", "2x1", "1x2", "2x2", "1x2v2"]
+# 2x2 is DP=1; 2x1 is DP=2; 1x1 is DP=4 (4 ranks): the same global batch split differently.
+TRAIN_LAYOUTS = ["2x2", "2x1", "1x1"]
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +28,8 @@ def results(tiny_models, tmp_path_factory):
             *map(str, tiny_models.values()),
             "--layouts",
             *LAYOUTS,
-            "--train-layout",
-            "2x2",
+            "--train-layouts",
+            *TRAIN_LAYOUTS,
             "--train-models",
             "llama_tied",
             "qwen3",
@@ -79,7 +81,26 @@ def test_padded_vocab_rows_never_leak(results):
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen3"])
 def test_masked_nll_decreases_at_tp2pp2(results, name):
-    losses = results["train_losses"][name]
+    losses = results["train"][f"{name}/2x2"]["losses"]
     assert len(losses) == 6
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.mark.parametrize("layout", ["2x1", "1x1"])
+@pytest.mark.parametrize("name", ["llama_tied", "qwen3"])
+def test_training_is_independent_of_data_parallel_split(results, name, layout):
+    # Losses are normalised by the global token count and summed over micro-batches and DP
+    # ranks: the loss and the gradient norm must be the same at DP=1, 2 and 4. A missing or
+    # doubled 1/num_microbatches or 1/dp would change the gradient norm (Adam would hide it
+    # in the losses of the first steps, not in the norm).
+    base = results["train"][f"{name}/2x2"]
+    other = results["train"][f"{name}/{layout}"]
+    assert torch.allclose(torch.tensor(other["grad_norms"]), torch.tensor(base["grad_norms"]), rtol=1e-4), (
+        base,
+        other,
+    )
+    assert torch.allclose(torch.tensor(other["losses"]), torch.tensor(base["losses"]), rtol=1e-4), (
+        base,
+        other,
+    )

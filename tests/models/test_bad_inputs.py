@@ -42,26 +42,16 @@ def test_score_input_errors_name_the_line(tmp_path, bad_row, message):
     assert message in str(err.value)
 
 
+def run_score(model, data, out) -> subprocess.CompletedProcess:
+    """`python -m megatron_agent score` on one rank."""
+    cmd = [sys.executable, "-m", "megatron_agent", "score", "--model", str(model), "--data", str(data)]
+    return subprocess.run(cmd + ["--out", str(out)], capture_output=True, text=True, timeout=300)
+
+
 def test_score_command_reports_bad_line_and_writes_nothing(tmp_path, tiny_models):
     data = write_lines(tmp_path / "in.jsonl", [{"input_ids": [1, 2, 3]}, {"input_ids": [1, 999]}])
     out = tmp_path / "out.jsonl"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_agent",
-            "score",
-            "--model",
-            str(tiny_models["qwen2"]),
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_score(tiny_models["qwen2"], data, out)
     assert proc.returncode == 2
     assert "line 2: token id 999 is outside the vocabulary" in proc.stderr
     assert not out.exists()
@@ -71,23 +61,8 @@ def test_score_command_single_rank_matches_shapes(tmp_path, tiny_models):
     rows = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9]}, {"input_ids": [1, 2]}]
     data = write_lines(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_agent",
-            "score",
-            "--model",
-            str(tiny_models["qwen2"]),
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    proc = run_score(tiny_models["qwen2"], data, out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     result = [json.loads(line)["logprobs"] for line in out.read_text().splitlines()]
     assert [len(r) for r in result] == [3, 0, 1]
     assert all(v < 0 for r in result for v in r)

@@ -31,9 +31,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# Elements of one fp32 tile of elementwise work (4 MiB): small enough to stay in cache on a CPU,
-# large enough to keep per-op overhead negligible.
-_TILE_ELEMENTS = 1 << 20
+# Elements of one fp32 tile of elementwise work. On a CPU, 16 MiB keeps a tile in the last-level
+# cache while making few enough parallel regions; accelerators take bigger tiles (fewer launches).
+_CPU_TILE_ELEMENTS = 1 << 22
+_DEVICE_TILE_ELEMENTS = 1 << 26
+_LOG2E = 1.4426950408889634
 
 
 def vocab_range(padded_vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -146,60 +148,78 @@ def _check_chunk(chunk_tokens: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# fp32 kernels on one tile (plain torch ops, in place where possible)
+# fp32 kernels on one tile of rows (plain torch ops, in place, no host synchronisation)
 
 
-def _tile_rows(num_cols: int) -> int:
-    return max(1, _TILE_ELEMENTS // max(1, num_cols))
+def _tile_rows(num_cols: int, device: torch.device) -> int:
+    """Rows per fp32 tile: a few MiB on a CPU (stays in cache), larger on accelerators."""
+    budget = _CPU_TILE_ELEMENTS if device.type == "cpu" else _DEVICE_TILE_ELEMENTS
+    return max(1, budget // max(1, num_cols))
 
 
-def _local_stats_(
-    z_rV: torch.Tensor, tidx_r: torch.Tensor, owned_r: torch.Tensor, with_entropy: bool, scratch: torch.Tensor
+def _local_stats(
+    src_rV: torch.Tensor,
+    work_rV: torch.Tensor,
+    exp_rV: torch.Tensor,
+    tidx_r: torch.Tensor,
+    owned_r: torch.Tensor,
+    with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Local lse, local entropy and owned target logit of fp32 logits z_rV (z_rV is overwritten)."""
-    tgt_r = z_rV.gather(1, tidx_r.unsqueeze(1)).squeeze(1)
-    tgt_r = torch.where(owned_r, tgt_r, 0.0)
-    max_r1 = z_rV.amax(dim=1, keepdim=True)
-    z_rV.sub_(max_r1)
-    exp_rV = torch.exp(z_rV, out=scratch)
+    """Local lse, local entropy and owned target logit (else 0) of the logits `src_rV`.
+
+    work_rV (fp32, may be src_rV itself when that is fp32) and exp_rV are scratch.
+    """
+    tgt_r = torch.where(owned_r, src_rV.gather(1, tidx_r.unsqueeze(1)).squeeze(1).float(), 0.0)
+    max_r1 = src_rV.amax(dim=1, keepdim=True).float()
+    if work_rV.data_ptr() != src_rV.data_ptr():
+        work_rV.copy_(src_rV)
+    # exp2 of base-2 scaled logits is exact to fp32 rounding and cheaper than exp on CPUs
+    scaled_rV = work_rV.sub_(max_r1).mul_(_LOG2E)  # (z - max) * log2(e)
+    torch.exp2(scaled_rV, out=exp_rV)
     sum_r = exp_rV.sum(dim=1)
     log_sum_r = sum_r.log()
     lse_r = max_r1.squeeze(1) + log_sum_r
     ent_r = None
     if with_entropy:
-        # H = log s - sum_v e_v (z_v - max) / s, the dot product without a [r, V] temporary
-        dot_r = torch.bmm(exp_rV.unsqueeze(1), z_rV.unsqueeze(2)).view(-1)
-        ent_r = log_sum_r - dot_r / sum_r
+        # H = log s - sum_v e_v (z_v - max) / s
+        ent_r = log_sum_r - torch.linalg.vecdot(exp_rV, scaled_rV) / (sum_r * _LOG2E)
     return lse_r, ent_r, tgt_r
 
 
-def _grad_logits_(
-    z_rV: torch.Tensor,
+def _grad_logits(
+    src_rV: torch.Tensor,
+    work_rV: torch.Tensor,
+    exp_rV: torch.Tensor | None,
+    dst_rV: torch.Tensor,
     lse_r: torch.Tensor,
-    ent_r: torch.Tensor | None,
+    ent_r: torch.Tensor,
     g_logp_r: torch.Tensor | None,
     g_ent_r: torch.Tensor | None,
     tidx_r: torch.Tensor,
     owned_r: torch.Tensor,
-    scratch: torch.Tensor,
-) -> torch.Tensor:
-    """Overwrite fp32 logits z_rV with d(sum g_logp * logp + g_ent * entropy) / dz."""
-    z_rV.sub_(lse_r.unsqueeze(1))  # log p
+) -> None:
+    """Write d(sum g_logp * logp + g_ent * entropy) / dz into dst_rV, for logits z = src_rV.
+
+    work_rV is fp32 scratch (may alias src_rV or dst_rV when fp32); exp_rV is scratch for p
+    (needed only with g_ent_r). g_logp_r / g_ent_r None means zero upstream gradient.
+    """
+    if work_rV.data_ptr() != src_rV.data_ptr():
+        work_rV.copy_(src_rV)
+    log2p_rV = work_rV.sub_(lse_r.unsqueeze(1)).mul_(_LOG2E)
     if g_ent_r is not None:
-        # -p * (g_logp + g_ent * (log p + H)) = p * (log p * (-g_ent) - (g_logp + g_ent * H))
-        p_rV = torch.exp(z_rV, out=scratch)
-        shift_r = g_ent_r * ent_r
-        if g_logp_r is not None:
-            shift_r = shift_r + g_logp_r
-        z_rV.mul_(g_ent_r.neg().unsqueeze(1)).sub_(shift_r.unsqueeze(1)).mul_(p_rV)
+        # -p (g_logp + g_ent (log p + H)) = p (log2 p * (-g_ent / log2 e) - (g_logp + g_ent H))
+        shift_r = g_ent_r * ent_r if g_logp_r is None else g_ent_r * ent_r + g_logp_r
+        p_rV = torch.exp2(log2p_rV, out=exp_rV)
+        log2p_rV.mul_((g_ent_r / -_LOG2E).unsqueeze(1)).sub_(shift_r.unsqueeze(1)).mul_(p_rV)
     elif g_logp_r is not None:
-        z_rV.exp_().mul_(g_logp_r.neg().unsqueeze(1))
+        log2p_rV.exp2_().mul_(g_logp_r.neg().unsqueeze(1))
     else:
-        z_rV.zero_()
+        log2p_rV.zero_()
     if g_logp_r is not None:
-        rows = owned_r.nonzero().squeeze(1)
-        z_rV.index_put_((rows, tidx_r[rows]), g_logp_r[rows], accumulate=True)
-    return z_rV
+        rows_r = torch.arange(work_rV.shape[0], device=work_rV.device)
+        work_rV.index_put_((rows_r, tidx_r), torch.where(owned_r, g_logp_r, 0.0), accumulate=True)
+    if dst_rV.data_ptr() != work_rV.data_ptr():
+        dst_rV.copy_(work_rV)
 
 
 def _combine(
@@ -239,6 +259,15 @@ def _empty_stats(num_tokens: int, device: torch.device, with_entropy: bool):
     return lse_T, ent_T, torch.zeros(num_tokens, device=device)
 
 
+def _fp32_buffer(num_elements: int, like: torch.Tensor) -> torch.Tensor | None:
+    """fp32 working buffer, or None where `like` is already fp32 and can be worked on in place."""
+    return None if like.dtype == torch.float32 else torch.empty(num_elements, device=like.device)
+
+
+def _view(buf: torch.Tensor | None, rows: int, cols: int, fallback: torch.Tensor | None = None):
+    return fallback if buf is None else buf[: rows * cols].view(rows, cols)
+
+
 # --------------------------------------------------------------------------------------------------
 # autograd functions
 
@@ -246,58 +275,59 @@ def _empty_stats(num_tokens: int, device: torch.device, with_entropy: bool):
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TV, target_T, tp_group, vocab_start, num_valid, chunk_tokens, with_entropy):
-        num_tokens = logits_TV.shape[0]
+        num_tokens, device = logits_TV.shape[0], logits_TV.device
         tidx_T, owned_T = _local_targets(target_T, vocab_start, num_valid)
-        if num_valid == 0:
-            lse_T, ent_T, tgt_T = _empty_stats(num_tokens, logits_TV.device, with_entropy)
-        else:
-            lse_T = torch.empty(num_tokens, device=logits_TV.device)
-            ent_T = torch.empty_like(lse_T) if with_entropy else None
-            tgt_T = torch.empty_like(lse_T)
-            rows = min(chunk_tokens, num_tokens)
-            z_buf = torch.empty(rows * num_valid, device=logits_TV.device)
-            scratch = torch.empty_like(z_buf)
+        lse_T, ent_T, tgt_T = _empty_stats(num_tokens, device, with_entropy)
+        if num_valid > 0 and num_tokens > 0:
+            rows = min(chunk_tokens, num_tokens, _tile_rows(num_valid, device))
+            work_buf = torch.empty(rows * num_valid, device=device)  # never overwrite the input
+            exp_buf = torch.empty_like(work_buf)
             for t0 in range(0, num_tokens, rows):
                 t1 = min(t0 + rows, num_tokens)
-                z_rV = z_buf[: (t1 - t0) * num_valid].view(t1 - t0, num_valid)
-                z_rV.copy_(logits_TV[t0:t1, :num_valid])
-                lse, ent, tgt = _local_stats_(
-                    z_rV, tidx_T[t0:t1], owned_T[t0:t1], with_entropy, scratch[: z_rV.numel()].view_as(z_rV)
+                lse, ent, tgt = _local_stats(
+                    logits_TV[t0:t1, :num_valid],
+                    _view(work_buf, t1 - t0, num_valid),
+                    _view(exp_buf, t1 - t0, num_valid),
+                    tidx_T[t0:t1],
+                    owned_T[t0:t1],
+                    with_entropy,
                 )
                 lse_T[t0:t1], tgt_T[t0:t1] = lse, tgt
                 if with_entropy:
                     ent_T[t0:t1] = ent
         logp_T, lse_T, ent_T = _combine(lse_T, ent_T, tgt_T, tp_group)
         ctx.save_for_backward(logits_TV, tidx_T, owned_T, lse_T, ent_T if with_entropy else lse_T)
-        ctx.num_valid, ctx.chunk_tokens, ctx.with_entropy = num_valid, chunk_tokens, with_entropy
+        ctx.num_valid, ctx.chunk_tokens = num_valid, chunk_tokens
         ctx.set_materialize_grads(False)
         return (logp_T, ent_T) if with_entropy else logp_T
 
     @staticmethod
     def backward(ctx, g_logp_T, g_ent_T=None):
         logits_TV, tidx_T, owned_T, lse_T, ent_T = ctx.saved_tensors
-        num_tokens, num_valid = logits_TV.shape[0], ctx.num_valid
+        num_tokens, num_valid, device = logits_TV.shape[0], ctx.num_valid, logits_TV.device
+        g_logp_T = None if g_logp_T is None else g_logp_T.float()
+        g_ent_T = None if g_ent_T is None else g_ent_T.float()
         grad_TV = torch.empty_like(logits_TV)
         grad_TV[:, num_valid:].zero_()
-        if num_valid > 0:
-            rows = min(ctx.chunk_tokens, num_tokens)
-            z_buf = torch.empty(rows * num_valid, device=logits_TV.device)
-            scratch = torch.empty_like(z_buf) if g_ent_T is not None else None
+        if num_valid > 0 and num_tokens > 0:
+            rows = min(ctx.chunk_tokens, num_tokens, _tile_rows(num_valid, device))
+            work_buf = _fp32_buffer(rows * num_valid, grad_TV)  # fp32 gradients: work in place
+            exp_buf = torch.empty(rows * num_valid, device=device) if g_ent_T is not None else None
             for t0 in range(0, num_tokens, rows):
                 t1 = min(t0 + rows, num_tokens)
-                z_rV = z_buf[: (t1 - t0) * num_valid].view(t1 - t0, num_valid)
-                z_rV.copy_(logits_TV[t0:t1, :num_valid])
-                _grad_logits_(
-                    z_rV,
+                dst_rV = grad_TV[t0:t1, :num_valid]
+                _grad_logits(
+                    logits_TV[t0:t1, :num_valid],
+                    _view(work_buf, t1 - t0, num_valid, fallback=dst_rV),
+                    _view(exp_buf, t1 - t0, num_valid),
+                    dst_rV,
                     lse_T[t0:t1],
                     ent_T[t0:t1],
-                    None if g_logp_T is None else g_logp_T[t0:t1].float(),
-                    None if g_ent_T is None else g_ent_T[t0:t1].float(),
+                    None if g_logp_T is None else g_logp_T[t0:t1],
+                    None if g_ent_T is None else g_ent_T[t0:t1],
                     tidx_T[t0:t1],
                     owned_T[t0:t1],
-                    None if scratch is None else scratch[: z_rV.numel()].view_as(z_rV),
                 )
-                grad_TV[t0:t1, :num_valid].copy_(z_rV)
         return grad_TV, None, None, None, None, None, None
 
 
@@ -308,41 +338,33 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     ):
         num_tokens, device = hidden_TH.shape[0], hidden_TH.device
         tidx_T, owned_T = _local_targets(target_T, vocab_start, num_valid)
-        if num_valid == 0:
-            lse_T, ent_T, tgt_T = _empty_stats(num_tokens, device, with_entropy)
-        else:
-            lse_T = torch.empty(num_tokens, device=device)
-            ent_T = torch.empty_like(lse_T) if with_entropy else None
-            tgt_T = torch.empty_like(lse_T)
+        lse_T, ent_T, tgt_T = _empty_stats(num_tokens, device, with_entropy)
+        if num_valid > 0 and num_tokens > 0:
             weight_valid = weight_VH[:num_valid]
             chunk = min(chunk_tokens, num_tokens)
             logits_buf = torch.empty(chunk * num_valid, device=device, dtype=hidden_TH.dtype)
-            tile = min(chunk, _tile_rows(num_valid))
-            low_precision = hidden_TH.dtype != torch.float32
-            z_buf = torch.empty(tile * num_valid, device=device) if low_precision else None
-            scratch = torch.empty(tile * num_valid, device=device)
+            tile = min(chunk, _tile_rows(num_valid, device))
+            work_buf = _fp32_buffer(tile * num_valid, logits_buf)
+            exp_buf = torch.empty(tile * num_valid, device=device)
             for c0 in range(0, num_tokens, chunk):
                 c1 = min(c0 + chunk, num_tokens)
-                logits_cV = logits_buf[: (c1 - c0) * num_valid].view(c1 - c0, num_valid)
+                logits_cV = _view(logits_buf, c1 - c0, num_valid)
                 torch.mm(hidden_TH[c0:c1], weight_valid.t(), out=logits_cV)
                 for t0 in range(c0, c1, tile):
                     t1 = min(t0 + tile, c1)
-                    if low_precision:
-                        z_rV = z_buf[: (t1 - t0) * num_valid].view(t1 - t0, num_valid)
-                        z_rV.copy_(logits_cV[t0 - c0 : t1 - c0])
-                    else:
-                        z_rV = logits_cV[t0 - c0 : t1 - c0]
-                    lse, ent, tgt = _local_stats_(
-                        z_rV,
+                    src_rV = logits_cV[t0 - c0 : t1 - c0]
+                    lse, ent, tgt = _local_stats(
+                        src_rV,
+                        _view(work_buf, t1 - t0, num_valid, fallback=src_rV),
+                        _view(exp_buf, t1 - t0, num_valid),
                         tidx_T[t0:t1],
                         owned_T[t0:t1],
                         with_entropy,
-                        scratch[: z_rV.numel()].view_as(z_rV),
                     )
                     lse_T[t0:t1], tgt_T[t0:t1] = lse, tgt
                     if with_entropy:
                         ent_T[t0:t1] = ent
-            del logits_buf
+            del logits_buf, work_buf, exp_buf
         logp_T, lse_T, ent_T = _combine(lse_T, ent_T, tgt_T, tp_group)
         ctx.save_for_backward(hidden_TH, weight_VH, tidx_T, owned_T, lse_T, ent_T if with_entropy else lse_T)
         ctx.tp_group, ctx.num_valid, ctx.chunk_tokens = tp_group, num_valid, chunk_tokens
@@ -362,46 +384,42 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         grad_hidden_TH = torch.zeros(hidden_TH.shape, device=device) if need_hidden else None  # fp32
         if num_valid > 0 and num_tokens > 0:
             low_precision = hidden_TH.dtype != torch.float32
-            # vocabulary blocks over all tokens: each block's weight gradient is one matmul that
-            # reduces over every token, so it is written once and never accumulated in low precision
+            # Vocabulary blocks over all tokens: each block's weight gradient is one matmul that
+            # reduces over every token, written once, never accumulated in low precision.
             block = max(1, min(num_valid, ctx.chunk_tokens * num_valid // num_tokens))
             logits_buf = torch.empty(num_tokens * block, device=device, dtype=hidden_TH.dtype)
-            tile = min(num_tokens, _tile_rows(block))
-            z_buf = torch.empty(tile * block, device=device) if low_precision else None
-            scratch = torch.empty(tile * block, device=device) if g_ent_T is not None else None
+            tile = min(num_tokens, _tile_rows(block, device))
+            work_buf = _fp32_buffer(tile * block, logits_buf)
+            exp_buf = torch.empty(tile * block, device=device) if g_ent_T is not None else None
             for v0 in range(0, num_valid, block):
                 v1 = min(v0 + block, num_valid)
                 weight_bH = weight_VH[v0:v1]
-                logits_Tb = logits_buf[: num_tokens * (v1 - v0)].view(num_tokens, v1 - v0)
+                logits_Tb = _view(logits_buf, num_tokens, v1 - v0)
                 torch.mm(hidden_TH, weight_bH.t(), out=logits_Tb)
                 in_block_T = owned_T & (tidx_T >= v0) & (tidx_T < v1)
                 bidx_T = (tidx_T - v0).clamp(0, v1 - v0 - 1)
                 for t0 in range(0, num_tokens, tile):
                     t1 = min(t0 + tile, num_tokens)
-                    n = (t1 - t0) * (v1 - v0)
-                    if low_precision:
-                        z_rb = z_buf[:n].view(t1 - t0, v1 - v0).copy_(logits_Tb[t0:t1])
-                    else:
-                        z_rb = logits_Tb[t0:t1]
-                    _grad_logits_(
-                        z_rb,
+                    tile_rb = logits_Tb[t0:t1]  # logits in, gradient out (in place)
+                    _grad_logits(
+                        tile_rb,
+                        _view(work_buf, t1 - t0, v1 - v0, fallback=tile_rb),
+                        _view(exp_buf, t1 - t0, v1 - v0),
+                        tile_rb,
                         lse_T[t0:t1],
                         ent_T[t0:t1],
                         None if g_logp_T is None else g_logp_T[t0:t1],
                         None if g_ent_T is None else g_ent_T[t0:t1],
                         bidx_T[t0:t1],
                         in_block_T[t0:t1],
-                        None if scratch is None else scratch[:n].view(t1 - t0, v1 - v0),
                     )
-                    if low_precision:
-                        logits_Tb[t0:t1].copy_(z_rb)
                 if need_weight:
                     torch.mm(logits_Tb.t(), hidden_TH, out=grad_weight_VH[v0:v1])
                 if need_hidden and low_precision:
                     grad_hidden_TH.add_(torch.mm(logits_Tb, weight_bH))
                 elif need_hidden:
                     grad_hidden_TH.addmm_(logits_Tb, weight_bH)
-            del logits_buf
+            del logits_buf, work_buf, exp_buf
         if need_hidden and ctx.tp_group is not None and dist.get_world_size(ctx.tp_group) > 1:
             dist.all_reduce(grad_hidden_TH, group=ctx.tp_group)
         if need_hidden:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_agent.models import logprobs
 from megatron_agent.models.logprobs import fused_head_logprobs, vocab_parallel_logprobs, vocab_range
 
 NUM_TOKENS, HIDDEN, PADDED_VOCAB, TRUE_VOCAB = 37, 16, 64, 45
@@ -86,6 +87,32 @@ def test_fused_head_matches_naive(chunk_tokens):
     _close(hidden_TH.grad, ref_gh)
     _close(weight_VH.grad, ref_gw)
     assert torch.all(weight_VH.grad[TRUE_VOCAB:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_tiles_per_chunk(monkeypatch, dtype):
+    """fp32 tiles of two or three rows inside each matmul chunk / vocabulary block."""
+    monkeypatch.setattr(logprobs, "_CPU_TILE_ELEMENTS", 100)
+    hidden_TH, weight_VH, target_T, g_logp_T, g_ent_T = _make_inputs(seed=5, dtype=dtype)
+    expected = []
+    for tile_elements in (100, 1 << 22):
+        monkeypatch.setattr(logprobs, "_CPU_TILE_ELEMENTS", tile_elements)
+        hidden, weight = hidden_TH.clone().requires_grad_(), weight_VH.clone().requires_grad_()
+        logits_TV = (hidden_TH @ weight_VH.t()).requires_grad_()
+        kwargs = dict(true_vocab_size=TRUE_VOCAB, chunk_tokens=11)
+        fused = fused_head_logprobs(hidden, weight, target_T, **kwargs)
+        plain = vocab_parallel_logprobs(logits_TV, target_T, **kwargs)
+        for logp_T, ent_T in (fused, plain):
+            (logp_T * g_logp_T + ent_T * g_ent_T).sum().backward()
+        expected.append([*fused, *plain, hidden.grad, weight.grad, logits_TV.grad])
+    small, large = expected
+    tol = FP32_TOL if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)  # a bf16 rounding may flip
+    for a, b in zip(small, large):
+        torch.testing.assert_close(a, b, **tol)
+    ref_logp, ref_ent, ref_gh, ref_gw, _ = _naive_head(hidden_TH, weight_VH, target_T, g_logp_T, g_ent_T)
+    if dtype == torch.float32:
+        for a, b in zip(small[:2] + small[4:6], (ref_logp, ref_ent, ref_gh, ref_gw)):
+            _close(a, b)
 
 
 @pytest.mark.parametrize("fused", [False, True])

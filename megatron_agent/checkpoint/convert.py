@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_agent.checkpoint.layout import HF_DIR, MODEL_DIR, hf_side_files, publish, staging_dir
 from megatron_agent.checkpoint.lazy_save import lazy_save, storage_id
+from megatron_agent.checkpoint.manifest import verify_manifest
 from megatron_agent.checkpoint.meta_model import build_meta_chunks
 from megatron_agent.checkpoint.model_io import (
     DTYPE_NAMES,
@@ -86,24 +89,29 @@ def hf_to_megatron(
         dtype = resolve_dtype(dtype, embed.dtype, f"{hf_dir}: model.embed_tokens.weight")
         lm_head_stored = arch.tied_embeddings and "lm_head.weight" in reader.names()
         del embed
-        torch_dtype = DTYPES[dtype]
         chunks = build_meta_chunks(arch, BuildOptions(tp=tp, pp=pp, vpp=vpp, dtype=dtype))
         sources = {}
         for chunk in chunks:
             params = dict(chunk.named_parameters())
             for local_name, rule, layer in chunk_param_rules(chunk, arch, "local"):
-                sources[storage_id(params[local_name])] = (local_name, rule, layer, params[local_name].shape)
+                param = params[local_name]
+                sources[storage_id(param)] = (local_name, rule, layer, param.shape, param.dtype)
 
         def produce(sid: int) -> torch.Tensor:
-            local_name, rule, layer, shape = sources[sid]
+            # The parameter's own dtype: Megatron keeps some (the local spec's norms) in fp32.
+            local_name, rule, layer, shape, param_dtype = sources[sid]
             _, hf_names = rule.fill(layer)
             full = hf_to_full(rule, [reader.get(n) for n in hf_names], arch, padded)
+            # safetensors tensors are views of the file's memory map, which stays mapped (and its
+            # touched pages resident) while the file is open: close it so that only the tensors
+            # still in use keep pages in memory.
+            reader.close()
             piece = shard(rule, full, tp_rank, tp)
             if piece.shape != shape:
                 raise ValueError(
                     f"{'+'.join(hf_names)} gives {tuple(piece.shape)} for {local_name}, expected {tuple(shape)}"
                 )
-            piece = piece.to(torch_dtype).contiguous()
+            piece = piece.to(param_dtype).contiguous()
             # A TP piece may be a view into the full tensor: copy it so the full one is freed.
             return piece.clone() if piece.untyped_storage().nbytes() != piece.nbytes else piece
 
@@ -156,10 +164,13 @@ def _read_request(local_name: str, entry, real: torch.Tensor) -> dict:
     return request
 
 
-def _export_groups(chunk, arch: ModelArch) -> list[list[tuple[str, object, int | None]]]:
-    """(local name, rule, layer) in export order, grouped: each global tensor alone, then per layer."""
+def _export_groups(chunk, arch: ModelArch, params: dict) -> list[list[tuple[str, object, int | None]]]:
+    """(local name, rule, layer) in export order, grouped for reading: each global tensor alone,
+    then whole layers, as many consecutive layers per group as fit in the largest tensor's size
+    (fewer, larger reads; peak memory stays about twice the largest tensor).
+    """
+    layers: dict[int, list] = {}
     groups: list[list] = []
-    layer_of: dict[int, list] = {}
     for local_name, rule, layer in chunk_param_rules(chunk, arch, "local"):
         if is_tied_copy(arch, local_name):
             continue
@@ -167,11 +178,21 @@ def _export_groups(chunk, arch: ModelArch) -> list[list[tuple[str, object, int |
         if m is None:
             groups.append([(local_name, rule, layer)])
         else:
-            if int(m.group(1)) not in layer_of:
-                layer_of[int(m.group(1))] = []
-                groups.append(layer_of[int(m.group(1))])
-            layer_of[int(m.group(1))].append((local_name, rule, layer))
-    return groups
+            layers.setdefault(int(m.group(1)), []).append((local_name, rule, layer))
+
+    def nbytes(entries):
+        return sum(params[n].numel() * params[n].element_size() for n, _, _ in entries)
+
+    entries = [e for grp in groups for e in grp] + [e for lay in layers.values() for e in lay]
+    budget = max(nbytes([e]) for e in entries)
+    merged: list[list] = []
+    for index in sorted(layers):
+        if merged and nbytes(merged[-1]) + nbytes(layers[index]) <= budget:
+            merged[-1].extend(layers[index])
+        else:
+            merged.append(list(layers[index]))
+    # Embedding first, then the layers, then the final norm and output layer.
+    return groups[:1] + merged + groups[1:]
 
 
 def megatron_to_hf(
@@ -193,49 +214,60 @@ def megatron_to_hf(
     if dist.get_world_size() != 1:
         raise ValueError("megatron_to_hf runs on one process (it streams; more ranks would not help)")
     ckpt_dir = Path(ckpt_dir)
-    meta = verify_checkpoint(ckpt_dir, hashes=verify)
+    # Missing or truncated files fail now; the checksums are verified on a second thread while
+    # the export runs, and the output is published only if they match.
+    meta = verify_checkpoint(ckpt_dir, hashes=False)
+    checksums = ThreadPoolExecutor(1).submit(verify_manifest, ckpt_dir) if verify else None
     arch = arch_from_hf_config(load_hf_config(ckpt_dir / HF_DIR))
     check_arch(meta, arch, str(ckpt_dir))
     out_dtype = DTYPES[resolve_dtype(dtype, DTYPES[meta["dtype"]], f"{ckpt_dir}")]
     chunk = build_meta_chunks(arch, BuildOptions(tp=1, pp=1, dtype=meta["dtype"]))[0]
     params = dict(chunk.named_parameters())
     sharded = chunk.sharded_state_dict()
-    groups = _export_groups(chunk, arch)
+    groups = _export_groups(chunk, arch, params)
+    lm_head_copy = bool(meta.get("hf_lm_head_stored"))
     specs = []
     for group in groups:
         for local_name, rule, layer in group:
             for name, t in hf_tensors_from_full(rule, layer, params[local_name], arch):
                 specs.append(TensorSpec(name, tuple(t.shape), out_dtype))
-                if name == "model.embed_tokens.weight" and meta.get("hf_lm_head_stored"):
+                if name == "model.embed_tokens.weight" and lm_head_copy:
                     specs.append(TensorSpec("lm_head.weight", tuple(t.shape), out_dtype))
     staging = staging_dir(out)
-    writer = ShardedSafetensorsWriter(staging, specs, parse_size(max_shard_size))
-    for group in groups:
-        reals, request = {}, {}
-        for local_name, _, _ in group:
-            reals[local_name] = torch.empty(params[local_name].shape, dtype=params[local_name].dtype)
-            request.update(_read_request(local_name, sharded[local_name], reals[local_name]))
-        dist_checkpointing.load(request, str(ckpt_dir / MODEL_DIR), validate_access_integrity=False)
-        for local_name, rule, layer in group:
-            for name, t in hf_tensors_from_full(rule, layer, reals.pop(local_name), arch):
-                writer.write(name, t.to(out_dtype))
-                if name == "model.embed_tokens.weight" and meta.get("hf_lm_head_stored"):
-                    writer.write("lm_head.weight", t.to(out_dtype))
-        del request
-    files = writer.close()
-    for p in hf_side_files(ckpt_dir / HF_DIR):
-        target = staging / p.name
-        target.write_bytes(p.read_bytes())
-    if out_dtype != DTYPES[meta["dtype"]] or dtype != "auto":
+    try:
+        writer = ShardedSafetensorsWriter(staging, specs, parse_size(max_shard_size))
+        for group in groups:
+            reals, request = {}, {}
+            for local_name, _, _ in group:
+                reals[local_name] = torch.empty(params[local_name].shape, dtype=params[local_name].dtype)
+                request.update(_read_request(local_name, sharded[local_name], reals[local_name]))
+            dist_checkpointing.load(request, str(ckpt_dir / MODEL_DIR), validate_access_integrity=False)
+            del request
+            for local_name, rule, layer in group:
+                for name, t in hf_tensors_from_full(rule, layer, reals.pop(local_name), arch):
+                    writer.write(name, t.to(out_dtype))
+                    if name == "model.embed_tokens.weight" and lm_head_copy:
+                        writer.write("lm_head.weight", t.to(out_dtype))
+        files = writer.close()
+        for p in hf_side_files(ckpt_dir / HF_DIR):
+            shutil.copy2(p, staging / p.name)
         _set_config_dtype(staging / "config.json", out_dtype)
-    publish(staging, out, overwrite=overwrite)
+        if checksums is not None:
+            checksums.result()
+        publish(staging, out, overwrite=overwrite)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return files
 
 
 def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
+    """Record the written dtype in config.json (left byte-identical when it already says so)."""
     cfg = json.loads(path.read_text())
     name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
-    for key in ("torch_dtype", "dtype"):
-        if key in cfg or key == "torch_dtype":
-            cfg[key] = name
+    keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]
+    if all(cfg.get(k) == name for k in keys):
+        return
+    for k in keys:
+        cfg[k] = name
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

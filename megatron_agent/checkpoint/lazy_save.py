@@ -76,8 +76,11 @@ def _strategy_class():
             )
             pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
             # One file per tensor: the writer keeps every tensor of a file alive until the file
-            # is closed, so one file per rank would hold the whole shard in memory.
-            writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=False, thread_count=1)
+            # is closed, so one file per rank would hold the whole shard in memory. No fsync per
+            # file: the manifest pass (`manifest.write_manifest`) syncs every file it hashes.
+            writer = FileSystemWriter(
+                str(checkpoint_dir), single_file_per_rank=False, thread_count=1, sync_files=False
+            )
             planner = LazyPlanner(
                 self._producer,
                 dedup_replicated_tensors=False,

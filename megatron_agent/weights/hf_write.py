@@ -9,6 +9,7 @@ memory stays at one tensor, whatever `max_shard_size`. With more than one shard,
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,8 @@ class ShardedSafetensorsWriter:
 
     def _close_stream(self) -> None:
         if self._stream is not None:
+            self._stream.flush()
+            os.fsync(self._stream.fileno())  # durable before the caller renames the folder into place
             self._stream.close()
             self._stream = None
 

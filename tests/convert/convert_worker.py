@@ -211,9 +211,8 @@ def stage_export(work: Path) -> dict:
         out["roundtrip"][tag] = compare_hf_folders(hf_dir, dest)
     megatron_to_hf(work / "tp2pp2" / "qwen3", work / "back" / "qwen3_bf16", dtype="bf16")
     out["bf16"] = compare_hf_folders(work / "hf" / "qwen3", work / "back" / "qwen3_bf16", cast=torch.bfloat16)
-    out["bf16_config_dtype"] = json.loads((work / "back" / "qwen3_bf16" / "config.json").read_text()).get(
-        "torch_dtype"
-    )
+    cfg = json.loads((work / "back" / "qwen3_bf16" / "config.json").read_text())
+    out["bf16_config_dtype"] = cfg.get("dtype", cfg.get("torch_dtype"))
     return out
 
 

@@ -10,7 +10,6 @@ import sys
 COMMANDS = {
     "score": ("megatron_agent.commands.score", "per-token log-probs of token ids with Megatron"),
     "rollout": ("megatron_agent.commands.rollout", "run the agent loop on a dataset and dump rollouts"),
-    "train": ("megatron_agent.commands.train", "RL training"),
 }
 
 

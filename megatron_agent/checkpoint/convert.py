@@ -44,6 +44,9 @@ from megatron_agent.weights.load import check_checkpoint_names, chunk_param_rule
 from megatron_agent.weights.mapping import hf_to_full, shard
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# Tensors outside the layers (the vocabulary ones) above this size are written in row blocks of
+# about this size, so that the exporter can read them a block at a time.
+ROW_BLOCK_BYTES = 64 << 20
 
 
 def resolve_dtype(requested: str, source: torch.dtype, what: str) -> str:
@@ -116,7 +119,7 @@ def hf_to_megatron(
             return piece.clone() if piece.untyped_storage().nbytes() != piece.nbytes else piece
 
         staging = begin_save(out, [MODEL_DIR])
-        sharded = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        sharded = {f"chunk{i}": _in_row_blocks(chunk.sharded_state_dict()) for i, chunk in enumerate(chunks)}
         lazy_save(sharded, staging / MODEL_DIR, produce)
     meta = {
         "arch": arch_to_meta(arch),
@@ -129,6 +132,42 @@ def hf_to_megatron(
     }
     finish_save(staging, out, hf_dir=hf_dir, meta=meta, overwrite=overwrite)
     return meta
+
+
+def _in_row_blocks(sharded: dict) -> dict:
+    """Replace large non-layer tensors (no prepended axes) by row blocks of ~ROW_BLOCK_BYTES.
+
+    The blocks are irregular shards of the same global tensor (Megatron and DCP load them at any
+    layout); a tensor is split on every rank that holds it, replicas included, so all ranks
+    describe it the same way.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = {}
+    for name, entry in sharded.items():
+        if not isinstance(entry, ShardedTensor) or entry.prepend_axis_num or entry.data.dim() < 1:
+            out[name] = entry
+            continue
+        row_bytes = entry.data[0].numel() * entry.data.element_size()
+        rows = max(1, ROW_BLOCK_BYTES // max(row_bytes, 1))
+        if entry.local_shape[0] <= rows:
+            out[name] = entry
+            continue
+        blocks = []
+        for start in range(0, entry.local_shape[0], rows):
+            piece = entry.data[start : start + rows]
+            offset = (entry.global_offset[0] + start, *entry.global_offset[1:])
+            blocks.append(
+                dataclasses.replace(
+                    entry,
+                    data=piece,
+                    local_shape=tuple(piece.shape),
+                    global_offset=offset,
+                    axis_fragmentations=None,
+                )
+            )
+        out[name] = blocks
+    return out
 
 
 def _read_request(local_name: str, entry, real: torch.Tensor) -> dict:
@@ -209,7 +248,6 @@ def megatron_to_hf(
     Runs on one process (after `init_model_parallel(1, 1)`). The output is written to a staging
     folder and renamed to `out` when complete.
     """
-    from megatron.core import dist_checkpointing
 
     if dist.get_world_size() != 1:
         raise ValueError("megatron_to_hf runs on one process (it streams; more ranks would not help)")
@@ -237,17 +275,7 @@ def megatron_to_hf(
     try:
         writer = ShardedSafetensorsWriter(staging, specs, parse_size(max_shard_size))
         for group in groups:
-            reals, request = {}, {}
-            for local_name, _, _ in group:
-                reals[local_name] = torch.empty(params[local_name].shape, dtype=params[local_name].dtype)
-                request.update(_read_request(local_name, sharded[local_name], reals[local_name]))
-            dist_checkpointing.load(request, str(ckpt_dir / MODEL_DIR), validate_access_integrity=False)
-            del request
-            for local_name, rule, layer in group:
-                for name, t in hf_tensors_from_full(rule, layer, reals.pop(local_name), arch):
-                    writer.write(name, t.to(out_dtype))
-                    if name == "model.embed_tokens.weight" and lm_head_copy:
-                        writer.write("lm_head.weight", t.to(out_dtype))
+            _export_group(group, ckpt_dir / MODEL_DIR, params, sharded, arch, writer, out_dtype, lm_head_copy)
         files = writer.close()
         for p in hf_side_files(ckpt_dir / HF_DIR):
             shutil.copy2(p, staging / p.name)
@@ -259,6 +287,26 @@ def megatron_to_hf(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return files
+
+
+def _export_group(group, model_dir, params, sharded, arch, writer, out_dtype, lm_head_copy) -> None:
+    """Read one group of parameters from the checkpoint and write their HF tensors.
+
+    A function of its own so that every tensor of the group is freed before the next is read.
+    """
+    from megatron.core import dist_checkpointing
+
+    reals, request = {}, {}
+    for local_name, _, _ in group:
+        reals[local_name] = torch.empty(params[local_name].shape, dtype=params[local_name].dtype)
+        request.update(_read_request(local_name, sharded[local_name], reals[local_name]))
+    dist_checkpointing.load(request, str(model_dir), validate_access_integrity=False)
+    del request
+    for local_name, rule, layer in group:
+        for name, tensor in hf_tensors_from_full(rule, layer, reals.pop(local_name), arch):
+            writer.write(name, tensor.to(out_dtype))
+            if name == "model.embed_tokens.weight" and lm_head_copy:
+                writer.write("lm_head.weight", tensor.to(out_dtype))
 
 
 def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:

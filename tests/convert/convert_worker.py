@@ -55,6 +55,7 @@ def _error(fn) -> str:
 
 def stage_convert(work: Path) -> dict:
     """HF -> Megatron at TP1PP1 on one process; a swapped-QKV conversion; every error case."""
+    from megatron_agent.checkpoint import convert
     from megatron_agent.checkpoint.convert import hf_to_megatron
     from megatron_agent.checkpoint.model_io import load_checkpoint
     from megatron_agent.models.build import BuildOptions, build_model_chunks
@@ -63,6 +64,7 @@ def stage_convert(work: Path) -> dict:
 
     init_model_parallel(1, 1)
     out: dict = {}
+    convert.ROW_BLOCK_BYTES = 40_000  # vocabulary tensors (350 x 128 fp32) in 4 blocks, as for big models
     for name in MODELS:
         if not (work / "tp1" / name).exists():  # llama_tied is converted by the CLI test
             hf_to_megatron(work / "hf" / name, work / "tp1" / name)
@@ -126,6 +128,12 @@ def stage_convert(work: Path) -> dict:
             good, build_model_chunks(wrong_arch, BuildOptions(), trainable=False), wrong_arch
         )
     )
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(work / "tp1" / "llama" / "model")).read_metadata().state_dict_metadata
+    out["vocab_blocks"] = {
+        k: len(md[k].chunks) for k in ("embedding.word_embeddings.weight", "output_layer.weight")
+    }
     out["meta_qwen3"] = json.loads((work / "tp1" / "qwen3" / "meta.json").read_text())
     return out
 
@@ -165,6 +173,9 @@ def stage_reshard(work: Path) -> dict:
             else:
                 save_checkpoint(work / "vpp" / name, chunks, arch, hf_dir=hf_dir)
     init_model_parallel(2, 2)
+    from megatron_agent.checkpoint import convert
+
+    convert.ROW_BLOCK_BYTES = 40_000
     hf_to_megatron(work / "hf" / "qwen3", work / "conv_tp2pp2" / "qwen3", tp=2, pp=2)
     return out
 

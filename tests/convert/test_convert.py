@@ -109,6 +109,11 @@ def test_checkpoint_layout_and_cli_output(work):
     assert set(manifest) == on_disk
     assert not [p for p in work.rglob(".*tmp-*")], "staging folders left behind"
     assert "wrote" in (work / "cli_hf_to_megatron.txt").read_text()
+    # Vocabulary tensors are written in row blocks (the test shrinks the block size to 40 KB).
+    assert _stage(work, "convert")["vocab_blocks"] == {
+        "embedding.word_embeddings.weight": 5,
+        "output_layer.weight": 5,
+    }
     meta = _stage(work, "convert")["meta_qwen3"]
     assert meta["arch"]["head_dim"] == 64 and meta["arch"]["hidden_size"] == 128 and meta["dtype"] == "fp32"
 

@@ -69,6 +69,16 @@ def stage_convert(work: Path) -> dict:
         if not (work / "tp1" / name).exists():  # llama_tied is converted by the CLI test
             hf_to_megatron(work / "hf" / name, work / "tp1" / name)
 
+    # A tied checkpoint that also stores lm_head.weight (some do) is exported the same way.
+    from safetensors.torch import load_file, save_file
+
+    dup = work / "hf" / "llama_tied_dup"
+    shutil.copytree(work / "hf" / "llama_tied", dup)
+    tensors = load_file(dup / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, dup / "model.safetensors", metadata={"format": "pt"})
+    hf_to_megatron(dup, work / "tp1" / "llama_tied_dup")
+
     # The classic GQA bug: q, k, v concatenated instead of interleaved per query group.
     original = mapping._interleave_qkv
     mapping._interleave_qkv = lambda q, k, v, arch: torch.cat([q, k, v], dim=0)
@@ -198,7 +208,7 @@ def _layout_diff(real_sd: dict, meta_sd: dict) -> list[str]:
 
 def stage_export(work: Path) -> dict:
     """Export the TP2PP2-saved (and VPP, and TP2PP2-converted) checkpoints; load them at TP1PP1."""
-    from megatron_agent.checkpoint.convert import megatron_to_hf
+    from megatron_agent.checkpoint.convert import hf_to_megatron, megatron_to_hf
     from megatron_agent.checkpoint.model_io import load_checkpoint
     from megatron_agent.models.build import BuildOptions, build_model_chunks
     from megatron_agent.platform.parallel import init_model_parallel
@@ -220,6 +230,18 @@ def stage_export(work: Path) -> dict:
         dest = work / "back" / tag
         megatron_to_hf(ckpt, dest, max_shard_size="150KB" if name == "qwen2" else "5GB")
         out["roundtrip"][tag] = compare_hf_folders(hf_dir, dest)
+    megatron_to_hf(work / "tp1" / "llama_tied_dup", work / "back" / "llama_tied_dup")
+    out["roundtrip"]["llama_tied_dup"] = compare_hf_folders(
+        work / "hf" / "llama_tied_dup", work / "back" / "llama_tied_dup"
+    )
+    # A sharded HF input (the 150 KB-shard export, read through model.safetensors.index.json).
+    hf_to_megatron(work / "back" / "qwen2", work / "from_sharded" / "qwen2")
+    arch = _arch(work / "hf" / "qwen2")
+    chunks = build_model_chunks(arch, BuildOptions(), trainable=False)
+    load_checkpoint(work / "from_sharded" / "qwen2", chunks, arch)
+    out["tp1_mismatched"]["qwen2@from_sharded_hf"] = _params_equal_to_hf(
+        chunks, arch, work / "hf" / "qwen2", BuildOptions()
+    )
     megatron_to_hf(work / "tp2pp2" / "qwen3", work / "back" / "qwen3_bf16", dtype="bf16")
     out["bf16"] = compare_hf_folders(work / "hf" / "qwen3", work / "back" / "qwen3_bf16", cast=torch.bfloat16)
     cfg = json.loads((work / "back" / "qwen3_bf16" / "config.json").read_text())

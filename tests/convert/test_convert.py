@@ -159,8 +159,17 @@ def test_vpp_and_multiprocess_conversions_round_trip(work):
         r = export["roundtrip"][tag]
         assert r["differing"] == [] and r["only_in_source"] == [] and r["only_in_export"] == [], (tag, r)
         assert export["tp1_mismatched"][tag] == []
-    for tag in ("llama", "qwen2", "qwen3"):
+    for tag in ("llama", "qwen2", "qwen3", "qwen2@from_sharded_hf"):
         assert export["tp1_mismatched"][tag] == [], tag
+
+
+def test_tied_source_storing_lm_head_is_exported_with_it(work):
+    r = _stage(work, "export")["roundtrip"]["llama_tied_dup"]
+    assert r["only_in_source"] == [] and r["only_in_export"] == [] and r["differing"] == [], r
+    assert "lm_head.weight" in _names(work / "back" / "llama_tied_dup")
+    assert (
+        json.loads((work / "tp1" / "llama_tied_dup" / "meta.json").read_text())["hf_lm_head_stored"] is True
+    )
 
 
 def test_export_shards_by_size_with_index_and_no_padded_rows(work):

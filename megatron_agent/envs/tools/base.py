@@ -9,8 +9,10 @@ hang, invalid UTF-8) into a `ToolResult` with an error message and a status, nev
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +95,8 @@ def _to_text(out: Any) -> tuple[str, bool]:
 class ToolSet:
     """The tools of a run, by name, with a default per-call timeout."""
 
-    def __init__(self, tools: list[Tool], timeout_s: float = 10.0):
-        """`tools` must have distinct names."""
+    def __init__(self, tools: list[Tool], timeout_s: float = 10.0, max_threads: int = 16):
+        """`tools` must have distinct names; synchronous tools share `max_threads` threads."""
         self.tools: dict[str, Tool] = {}
         for tool in tools:
             if not tool.name:
@@ -103,6 +105,11 @@ class ToolSet:
                 raise ValueError(f"two tools are named {tool.name!r}")
             self.tools[tool.name] = tool
         self.timeout_s = timeout_s
+        # Our own pool, not asyncio's default one: `asyncio.run` waits for the default pool's
+        # threads at exit, so a synchronous tool hanging past its timeout would hang the run.
+        # (Such a thread still lives until the tool returns; untrusted code belongs in a
+        # subprocess tool such as `python`, which is killed at its timeout.)
+        self._executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="tool")
 
     def schemas(self, names: list[str] | None = None) -> list[dict]:
         """Schemas of the tools named (all when None), for the chat template."""
@@ -128,7 +135,10 @@ class ToolSet:
             if inspect.iscoroutinefunction(tool.call):
                 out = await asyncio.wait_for(tool.call(**arguments), timeout)
             else:  # a synchronous tool runs in a thread so that it cannot block the event loop
-                out = await asyncio.wait_for(asyncio.to_thread(tool.call, **arguments), timeout)
+                run = functools.partial(tool.call, **arguments)
+                out = await asyncio.wait_for(
+                    asyncio.get_running_loop().run_in_executor(self._executor, run), timeout
+                )
         except TimeoutError:
             return ToolResult(
                 f"Error: {name} timed out after {timeout:g} s.", "timeout", time.monotonic() - start

@@ -1,0 +1,135 @@
+"""Agent-loop throughput against raw vLLM `generate` of the same number of tokens, same engine.
+
+    .venv/bin/python bench/rollout.py [--num-prompts 64] [--turns 3] [--tokens-per-turn 48] [--model DIR]
+
+The agent loop runs N prompts; in each of the first `turns - 1` turns the model is scripted to
+emit a tool call of about `tokens-per-turn` ids (forced tokens: the engine still runs every
+forward pass and samples under the restriction) to a tool that answers instantly; the last
+turn samples freely with EOS ignored, for `tokens-per-turn` ids. The raw run then generates,
+on the same engine, for the same N prompts, the same number of sampled tokens per prompt in one
+`LLM.generate` call (one turn, EOS ignored, the same scripted ids forced first so that the
+forced-token processor costs the same on both sides). Both runs are
+timed after a warm-up. The last line is `throughput_ratio=X` (agent-loop sampled tokens/s over
+raw tokens/s); the target is >= 0.9. With no --model, a tiny random Qwen2 model is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+def _call(i: int, width: int) -> str:
+    return "<tool_call>" + json.dumps({"name": "echo", "arguments": {"text": "x" * width}}) + "</tool_call>"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--tokens-per-turn", type=int, default=48)
+    parser.add_argument("--model", default="")
+    parser.add_argument("--repeats", type=int, default=3, help="paired timed repeats (median ratio kept)")
+    args = parser.parse_args()
+
+    from megatron_agent.data.tasks import Task
+    from megatron_agent.envs.tools import Tool, ToolSet
+    from megatron_agent.rollout.agent_loop import AgentLoop, AgentLoopConfig
+    from megatron_agent.rollout.async_engine import AsyncEngine
+    from megatron_agent.rollout.chat import ChatFormat
+    from megatron_agent.rollout.engine import SamplingConfig, VLLMEngine
+    from megatron_agent.rollout.scripted import FORCED_KEY, ForcedTokensLogitsProcessor
+
+    work = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
+    model = args.model
+    if not model:
+        from megatron_agent.models.tiny import make_tiny_model
+
+        model = str(make_tiny_model(work / "tiny", "qwen2", max_position_embeddings=4096))
+    engine = VLLMEngine(model, logits_processors=[ForcedTokensLogitsProcessor], cache_dir=str(work))
+    chat = ChatFormat(engine.tokenizer)
+
+    class Echo(Tool):
+        name = "echo"
+        description = "echo"
+        parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+        async def call(self, text):
+            return "ok"
+
+    # Pick the call width so that a scripted call is about tokens-per-turn ids.
+    width = 1
+    while len(chat.encode(_call(0, width + 1))) <= args.tokens_per_turn:
+        width += 1
+    scripts = [chat.encode(_call(i, width)) for i in range(args.turns - 1)]
+
+    def hook(traj, turn):
+        if turn < len(scripts):
+            return {FORCED_KEY: scripts[turn]}
+        return None
+
+    messages = [{"role": "user", "content": "Use the echo tool, then answer."}]
+    tasks = [
+        Task(f"p{i}", messages + [{"role": "user", "content": f"id {i}"}], [], {})
+        for i in range(args.num_prompts)
+    ]
+    config = AgentLoopConfig(
+        max_new_tokens=args.tokens_per_turn, max_turns=args.turns, max_total_tokens=4096, temperature=1.0
+    )
+    aengine = AsyncEngine(engine)
+    loop = AgentLoop(aengine, chat, ToolSet([Echo()]), config, turn_hook=hook)
+    # The last (free) turn must not stop at EOS, so that both sides sample the same counts.
+    base_sampling = loop._sampling
+
+    def sampling(max_tokens, traj, turn):
+        s = base_sampling(max_tokens, traj, turn)
+        s.ignore_eos = turn >= len(scripts)
+        return s
+
+    loop._sampling = sampling
+
+    def agent_run():
+        start = time.perf_counter()
+        trajs = loop.run(tasks)
+        seconds = time.perf_counter() - start
+        return trajs, seconds
+
+    def raw_run(num_tokens):
+        prompts = [chat.prompt_ids(t.messages) for t in tasks]
+        start = time.perf_counter()
+        # The same scripted calls are forced here too, so that the forced-token processor costs
+        # the same on both sides and the ratio measures the agent loop alone.
+        forced = {FORCED_KEY: [t for script in scripts for t in script]} if scripts else None
+        sampling = SamplingConfig(max_tokens=num_tokens, temperature=1.0, ignore_eos=True, extra_args=forced)
+        outs = engine.generate(prompts, sampling)
+        seconds = time.perf_counter() - start
+        return sum(len(o[0].token_ids) for o in outs), seconds
+
+    agent_run()  # warm-up
+    # Paired, alternating repeats (the machine may be shared): the median ratio is reported.
+    ratios, runs = [], []
+    for _ in range(args.repeats):
+        engine.reset_prefix_cache()
+        trajs, agent_s = agent_run()
+        sampled = sum(sum(t.loss_mask) for t in trajs)
+        engine.reset_prefix_cache()
+        raw_tokens, raw_s = raw_run(round(sampled / len(trajs)))
+        ratios.append((sampled / agent_s) / (raw_tokens / raw_s))
+        runs.append((ratios[-1], sampled, agent_s, raw_tokens, raw_s, trajs))
+    aengine.close()
+    ratio, sampled, agent_s, raw_tokens, raw_s, trajs = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    agent_tps, raw_tps = sampled / agent_s, raw_tokens / raw_s
+    num_turns = sum(t.num_turns for t in trajs) / len(trajs)
+    print(f"model={model} prompts={args.num_prompts} turns/traj={num_turns:.2f} cpu_threads={os.cpu_count()}")
+    print(f"agent_loop: sampled_tokens={sampled} seconds={agent_s:.3f} tokens_per_s={agent_tps:.1f}")
+    print(f"raw_generate: tokens={raw_tokens} seconds={raw_s:.3f} tokens_per_s={raw_tps:.1f}")
+    print(f"ratios of the repeats: {', '.join(f'{r:.3f}' for r in ratios)}")
+    print(f"throughput_ratio={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,13 +11,16 @@ and backpropagate to the hidden states and the output weight:
   the target, entropy = -sum p log p, autograd;
 - ours: `megatron_agent.models.logprobs.fused_head_logprobs` (never holds [T, V] logits).
 
-Method. Each variant runs in its own fresh subprocess (so neither inherits the other's allocator
-state). The subprocess allocates the inputs, then resets the kernel's peak-RSS counter (writing
-5 to /proc/self/clear_refs) and takes the current RSS as the baseline; after the runs, peak memory
-is VmHWM (peak RSS from /proc/self/status) minus that baseline, i.e. everything the forward and
-backward allocate and touch, gradients included. Time is the best of `--repeats` timed
-forward+backward runs after one warm-up run. The last line is
-`memory_ratio=X time_ratio=Y` (ours / naive).
+Method. Each measurement runs in its own fresh subprocess (so neither variant inherits the other's
+allocator state). The subprocess allocates the inputs, then resets the kernel's peak-RSS counter
+(writing 5 to /proc/self/clear_refs) and takes the current RSS as the baseline; after the runs,
+peak memory is VmHWM (peak RSS from /proc/self/status) minus that baseline, i.e. everything the
+forward and backward allocate and touch, gradients included. Each subprocess times one
+forward+backward (wall clock; process CPU time is printed too; `--warmup` adds an untimed run
+first, which changes little: oneDNN builds its kernels in milliseconds). The variants
+alternate, naive / ours, for `--rounds` rounds, so that load from other processes on a shared
+machine hits both alike; the best time and the largest peak of each variant are kept. The last
+line is `memory_ratio=X time_ratio=Y` (ours / naive).
 
 Run: .venv/bin/python bench/logprobs.py [--tokens 4096 --vocab 151936 --hidden 1024 ...]
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -39,6 +43,12 @@ def _rss_kib(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _worker(args: argparse.Namespace) -> dict:
@@ -75,19 +85,17 @@ def _worker(args: argparse.Namespace) -> dict:
 
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter to the current RSS
     baseline_kib = _rss_kib("VmRSS")
-    run()  # warm-up (oneDNN kernels, allocator)
-    times, losses = [], []
-    for _ in range(args.repeats):
-        seconds, loss = run()
-        times.append(seconds)
-        losses.append(loss)
+    if args.warmup:
+        run()
+    cpu_start = time.process_time()
+    seconds, loss = run()
+    cpu_seconds = time.process_time() - cpu_start
     peak_kib = _rss_kib("VmHWM") - baseline_kib
     return {
-        "variant": args.worker,
-        "seconds": min(times),
-        "all_seconds": times,
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "peak_mib": peak_kib / 1024,
-        "loss": losses[-1],
+        "loss": loss,
         "grad_hidden_norm": hidden_TH.grad.float().norm().item(),
         "grad_weight_norm": weight_VH.grad.float().norm().item(),
     }
@@ -100,7 +108,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="fused_head_logprobs chunk_tokens")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per variant (best is kept)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating naive/ours rounds (best time kept)"
+    )
+    parser.add_argument("--warmup", action="store_true", help="one untimed run first in each subprocess")
     parser.add_argument("--worker", choices=["naive", "ours"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -109,20 +120,32 @@ def main() -> None:
 
     print(
         f"T={args.tokens} V={args.vocab} H={args.hidden} dtype={args.dtype} TP=1 "
-        f"chunk_tokens={args.chunk_tokens} (forward + backward to hidden and weight)"
+        f"chunk_tokens={args.chunk_tokens} threads={torch_threads()} load={os.getloadavg()[0]:.1f} "
+        "(forward + backward to hidden and weight)",
+        flush=True,
     )
-    results = {}
-    for variant in ("naive", "ours"):
-        cmd = [sys.executable, __file__, "--worker", variant] + sys.argv[1:]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        res = results[variant] = json.loads(out.strip().splitlines()[-1])
-        print(
-            f"{variant:>5}: time {res['seconds']:.2f} s (runs {', '.join(f'{s:.2f}' for s in res['all_seconds'])})"
-            f"  peak memory {res['peak_mib']:.0f} MiB  loss {res['loss']:.6g}"
-            f"  |grad_hidden| {res['grad_hidden_norm']:.6g}  |grad_weight| {res['grad_weight_norm']:.6g}"
-        )
-    memory_ratio = results["ours"]["peak_mib"] / results["naive"]["peak_mib"]
-    time_ratio = results["ours"]["seconds"] / results["naive"]["seconds"]
+    runs = {"naive": [], "ours": []}
+    for _ in range(args.rounds):
+        for variant in runs:
+            cmd = [sys.executable, __file__, "--worker", variant] + sys.argv[1:]
+            out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+            res = json.loads(out.strip().splitlines()[-1])
+            runs[variant].append(res)
+            print(
+                f"{variant:>5}: time {res['seconds']:.2f} s (cpu {res['cpu_seconds']:.2f} s)"
+                f"  peak memory {res['peak_mib']:.0f} MiB  loss {res['loss']:.6g}"
+                f"  |grad_hidden| {res['grad_hidden_norm']:.6g}  |grad_weight| {res['grad_weight_norm']:.6g}",
+                flush=True,
+            )
+    best = {v: min(r["seconds"] for r in rs) for v, rs in runs.items()}
+    peak = {v: max(r["peak_mib"] for r in rs) for v, rs in runs.items()}
+    for v in runs:
+        print(f"{v:>5}: best time {best[v]:.2f} s, peak memory {peak[v]:.0f} MiB")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    cpu = {v: min(r["cpu_seconds"] for r in rs) for v, rs in runs.items()}
+    print(f"cpu_time_ratio={cpu['ours'] / cpu['naive']:.3f} (best process CPU time, ours / naive)")
+    memory_ratio = peak["ours"] / peak["naive"]
+    time_ratio = best["ours"] / best["naive"]
     print(f"memory_ratio={memory_ratio:.3f} time_ratio={time_ratio:.3f}")
 
 

@@ -67,8 +67,9 @@ def vocab_parallel_logprobs(
         [vocab_start, vocab_start + V_local). target_T: [T] global ids in [0, true_vocab_size).
     tp_group: the tensor-parallel group the vocabulary is split over (None: a single rank).
     true_vocab_size: number of real vocabulary rows; rows at or above it are padding and ignored.
-    chunk_tokens: tokens per fp32 chunk (the fp32 working set is about 2 * chunk_tokens * V_local).
-    Returns fp32 (logp_T, entropy_T), entropy_T None unless `with_entropy`. Differentiable with
+    chunk_tokens: at most this many tokens per fp32 chunk (two fp32 buffers of chunk * V_local;
+        a chunk is further capped at 16 MiB per buffer on a CPU, 256 MiB on an accelerator).
+    Targets are not range-checked (that would synchronise with the device). Returns fp32 (logp_T, entropy_T), entropy_T None unless `with_entropy`. Differentiable with
     respect to `logits_TV`; the gradient has the dtype of `logits_TV`.
     """
     if logits_TV.dim() != 2:
@@ -96,8 +97,8 @@ def fused_head_logprobs(
     """Log-prob of `target_T` and entropy from hidden states and the output-layer weight shard.
 
     Computes logits = hidden_TH @ weight_VH.T one chunk of `chunk_tokens` tokens at a time (in the
-    input dtype, as the output layer would), then the statistics in fp32; [T, V] logits are never
-    held. hidden_TH: [T, H], replicated over `tp_group`. weight_VH: [V_local, H], global rows
+    input dtype, as the output layer would; the chunk buffer is chunk_tokens * V_local elements),
+    then the statistics in fp32; [T, V] logits are never held. hidden_TH: [T, H], replicated over `tp_group`. weight_VH: [V_local, H], global rows
     [vocab_start, vocab_start + V_local). Other arguments as in `vocab_parallel_logprobs`.
     Backward recomputes the logits in vocabulary blocks of about chunk_tokens * V_local elements,
     writes each block's weight gradient once, accumulates the hidden gradient in fp32 and
@@ -173,7 +174,7 @@ def _local_stats(
     max_r1 = src_rV.amax(dim=1, keepdim=True).float()
     if work_rV.data_ptr() != src_rV.data_ptr():
         work_rV.copy_(src_rV)
-    # exp2 of base-2 scaled logits is exact to fp32 rounding and cheaper than exp on CPUs
+    # exp2 of base-2 scaled logits: as accurate as exp to fp32 rounding, and cheaper on CPUs
     scaled_rV = work_rV.sub_(max_r1).mul_(_LOG2E)  # (z - max) * log2(e)
     torch.exp2(scaled_rV, out=exp_rV)
     sum_r = exp_rV.sum(dim=1)

@@ -251,3 +251,37 @@ def _free_port() -> int:
 def test_tensor_parallel_matches_naive(world_size):
     """TP=4 leaves the last rank with padding rows only (45 real rows of 64)."""
     mp.spawn(_tp_worker, args=(world_size, _free_port()), nprocs=world_size, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_naive(dtype):
+    """The same comparison on a GPU, at a size where tiles and vocabulary blocks matter."""
+    gen = torch.Generator().manual_seed(6)
+    num_tokens, hidden_size, padded, true_vocab = 1000, 256, 50304, 50257
+    hidden_TH = torch.randn(num_tokens, hidden_size, generator=gen).to("cuda", dtype)
+    weight_VH = (torch.randn(padded, hidden_size, generator=gen) * 0.1).to("cuda", dtype)
+    target_T = torch.randint(0, true_vocab, (num_tokens,), generator=gen).cuda()
+    g_logp_T, g_ent_T = torch.randn(2, num_tokens, generator=gen).cuda()
+
+    hidden = hidden_TH.double().requires_grad_()
+    weight = weight_VH.double().requires_grad_()
+    ref_TV = torch.log_softmax((hidden @ weight.t())[:, :true_vocab], dim=-1)
+    ref_logp = ref_TV.gather(1, target_T.unsqueeze(1)).squeeze(1)
+    ref_ent = -(ref_TV.exp() * ref_TV).sum(-1)
+    (ref_logp * g_logp_T + ref_ent * g_ent_T).sum().backward()
+
+    hidden_TH.requires_grad_()
+    weight_VH.requires_grad_()
+    logp_T, ent_T = fused_head_logprobs(
+        hidden_TH, weight_VH, target_T, true_vocab_size=true_vocab, chunk_tokens=300
+    )
+    (logp_T * g_logp_T + ent_T * g_ent_T).sum().backward()
+    # fp32 on GPU may use TF32 matmuls unless disabled; bf16 logits are rounded like the output layer
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.02, atol=0.05)
+    _close(logp_T, ref_logp, **tol)
+    _close(ent_T, ref_ent, **tol)
+    _close(hidden_TH.grad, hidden.grad, **tol)
+    _close(weight_VH.grad, weight.grad, **tol)
+    assert torch.all(weight_VH.grad[true_vocab:] == 0)

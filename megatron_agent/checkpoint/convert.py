@@ -32,6 +32,7 @@ from megatron_agent.checkpoint.model_io import (
     arch_to_meta,
     begin_save,
     check_arch,
+    discard_on_error,
     finish_save,
     verify_checkpoint,
 )
@@ -91,6 +92,7 @@ def hf_to_megatron(
         embed = reader.get("model.embed_tokens.weight")
         dtype = resolve_dtype(dtype, embed.dtype, f"{hf_dir}: model.embed_tokens.weight")
         lm_head_stored = arch.tied_embeddings and "lm_head.weight" in reader.names()
+        target_dtype = DTYPES[dtype]
         del embed
         chunks = build_meta_chunks(arch, BuildOptions(tp=tp, pp=pp, vpp=vpp, dtype=dtype))
         sources = {}
@@ -114,13 +116,16 @@ def hf_to_megatron(
                 raise ValueError(
                     f"{'+'.join(hf_names)} gives {tuple(piece.shape)} for {local_name}, expected {tuple(shape)}"
                 )
-            piece = piece.to(param_dtype).contiguous()
+            # Values are rounded to the conversion dtype even where Megatron stores the parameter
+            # in fp32 (the local spec's norms), so a bf16 checkpoint holds bf16 weights only.
+            piece = piece.to(target_dtype).to(param_dtype).contiguous()
             # A TP piece may be a view into the full tensor: copy it so the full one is freed.
             return piece.clone() if piece.untyped_storage().nbytes() != piece.nbytes else piece
 
-        staging = begin_save(out, [MODEL_DIR])
+        staging = begin_save(out, [MODEL_DIR], overwrite=overwrite)
         sharded = {f"chunk{i}": _in_row_blocks(chunk.sharded_state_dict()) for i, chunk in enumerate(chunks)}
-        lazy_save(sharded, staging / MODEL_DIR, produce)
+        with discard_on_error(staging):
+            lazy_save(sharded, staging / MODEL_DIR, produce)
     meta = {
         "arch": arch_to_meta(arch),
         "dtype": dtype,
@@ -252,6 +257,8 @@ def megatron_to_hf(
     if dist.get_world_size() != 1:
         raise ValueError("megatron_to_hf runs on one process (it streams; more ranks would not help)")
     ckpt_dir = Path(ckpt_dir)
+    if Path(out).exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; remove it or pass overwrite=True (--overwrite)")
     # Missing or truncated files fail now; the checksums are verified on a second thread while
     # the export runs, and the output is published only if they match.
     meta = verify_checkpoint(ckpt_dir, hashes=False)

@@ -10,7 +10,9 @@ checksum manifest (see `layout`). `load_checkpoint` verifies the manifest first.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,16 +81,32 @@ def source_stores_tied_lm_head(hf_dir: str | Path, arch: ModelArch) -> bool:
         return "lm_head.weight" in reader.names()
 
 
-def begin_save(final: str | Path, subdirs: list[str]) -> Path:
-    """Collective: rank 0 picks and creates a staging folder with `subdirs`; every rank gets its path."""
+def begin_save(final: str | Path, subdirs: list[str], *, overwrite: bool = False) -> Path:
+    """Collective: rank 0 picks and creates a staging folder with `subdirs`; every rank gets its path.
+
+    Fails before anything is written when `final` exists and `overwrite` is False.
+    """
 
     def make():
+        if Path(final).exists() and not overwrite:
+            raise FileExistsError(f"{final} exists; remove it or pass overwrite=True (--overwrite)")
         staging = staging_dir(final)
         for sub in subdirs:
             (staging / sub).mkdir(parents=True)
         return str(staging)
 
     return Path(on_rank0(make))
+
+
+@contextlib.contextmanager
+def discard_on_error(staging: Path):
+    """Remove this rank's view of a staging folder when writing into it fails (rank 0 deletes)."""
+    try:
+        yield
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def finish_save(staging: Path, final: str | Path, *, hf_dir: str | Path, meta: dict, overwrite: bool) -> None:
@@ -126,10 +144,11 @@ def save_checkpoint(
     from megatron.core import parallel_state as ps
 
     extra_writers = extra_writers or {}
-    staging = begin_save(ckpt_dir, [MODEL_DIR, *extra_writers])
-    dist_checkpointing.save(model_sharded_state_dict(chunks), str(staging / MODEL_DIR))
-    for name, writer in extra_writers.items():
-        writer(staging / name)
+    staging = begin_save(ckpt_dir, [MODEL_DIR, *extra_writers], overwrite=overwrite)
+    with discard_on_error(staging):
+        dist_checkpointing.save(model_sharded_state_dict(chunks), str(staging / MODEL_DIR))
+        for name, writer in extra_writers.items():
+            writer(staging / name)
     dtype = next(unwrap(chunks[0]).parameters()).dtype
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     meta = {

@@ -103,6 +103,7 @@ def stage_convert(work: Path) -> dict:
             bad_hf("yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0}), work / "never2"
         )
     )
+    out["exists"] = _error(lambda: hf_to_megatron(work / "hf" / "qwen2", work / "tp1" / "qwen2"))
     out["never_written"] = [p.name for p in work.iterdir() if p.name.startswith(("never", ".never"))]
 
     arch = _arch(work / "hf" / "qwen2")
@@ -241,6 +242,12 @@ def stage_export(work: Path) -> dict:
     load_checkpoint(work / "from_sharded" / "qwen2", chunks, arch)
     out["tp1_mismatched"]["qwen2@from_sharded_hf"] = _params_equal_to_hf(
         chunks, arch, work / "hf" / "qwen2", BuildOptions()
+    )
+    # fp32 source converted to bf16: every stored value is bf16 (also Megatron's fp32 norms).
+    hf_to_megatron(work / "hf" / "qwen3", work / "bf16" / "qwen3", dtype="bf16")
+    megatron_to_hf(work / "bf16" / "qwen3", work / "back" / "qwen3_from_bf16_ckpt")
+    out["bf16_ckpt"] = compare_hf_folders(
+        work / "hf" / "qwen3", work / "back" / "qwen3_from_bf16_ckpt", cast=torch.bfloat16
     )
     megatron_to_hf(work / "tp2pp2" / "qwen3", work / "back" / "qwen3_bf16", dtype="bf16")
     out["bf16"] = compare_hf_folders(work / "hf" / "qwen3", work / "back" / "qwen3_bf16", cast=torch.bfloat16)

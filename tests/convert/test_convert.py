@@ -197,6 +197,33 @@ def test_export_to_bf16(work):
     export = _stage(work, "export")
     assert export["bf16"]["differing"] == [] and export["bf16"]["only_in_export"] == []
     assert export["bf16_config_dtype"] == "bfloat16"
+    # An fp32 source converted to a bf16 checkpoint exports exactly the bf16-rounded source.
+    assert export["bf16_ckpt"]["differing"] == [] and export["bf16_ckpt"]["only_in_export"] == []
+
+
+def test_verify_cli_on_a_bf16_checkpoint(work):
+    # The bf16 export has the checkpoint's exact weights: compared in fp32, tight tolerances.
+    same = [
+        PY,
+        str(TOOLS / "verify.py"),
+        "--hf",
+        str(work / "back" / "qwen3_from_bf16_ckpt"),
+        "--ckpt",
+        str(work / "bf16" / "qwen3"),
+    ]
+    out = _run(same, work).stdout
+    assert "PASS" in out and "computed in fp32" in out
+    # Against the fp32 source the weights differ by bf16 rounding: compared in bf16.
+    cross = [
+        PY,
+        str(TOOLS / "verify.py"),
+        "--hf",
+        str(work / "hf" / "qwen3"),
+        "--ckpt",
+        str(work / "bf16" / "qwen3"),
+    ]
+    out = _run(cross, work).stdout
+    assert "PASS" in out and "computed in bf16" in out
 
 
 def test_logits_match_hf_at_tp2pp2(work):
@@ -252,3 +279,4 @@ def test_unsupported_models_fail_before_writing(work):
     assert "Qwen3ForCausalLM" in c["unsupported_arch"]
     assert "'yarn'" in c["unsupported_rope"] and "llama3" in c["unsupported_rope"]
     assert c["never_written"] == []
+    assert c["exists"].startswith("FileExistsError") and "--overwrite" in c["exists"]

@@ -124,44 +124,53 @@ def layer_spec(arch: ModelArch, impl: str):
         return specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
 
 
+def num_virtual_stages(arch: ModelArch, opts: BuildOptions) -> int:
+    """Model chunks per pipeline rank (1 without VPP); checks that the layers divide evenly."""
+    num_chunks = opts.vpp if opts.vpp > 1 else 1
+    if arch.num_layers % (opts.pp * num_chunks):
+        raise ValueError(f"num_layers={arch.num_layers} is not divisible by pp*vpp={opts.pp * num_chunks}")
+    return num_chunks
+
+
+def gpt_model_chunk(arch: ModelArch, opts: BuildOptions, config, spec, vp_stage: int | None):
+    """One GPTModel chunk of this pipeline rank for virtual stage `vp_stage` (None without VPP)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab_size(arch.vocab_size, opts.tp),
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tied_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(arch.rope_theta),
+            vp_stage=vp_stage,
+        )
+
+
 def build_model_chunks(arch: ModelArch, opts: BuildOptions, *, trainable: bool = True) -> list:
     """This pipeline rank's GPTModel chunks (one per virtual stage), on the compute device.
 
     Parameters are randomly initialised here; load weights with `weights.load_hf_weights`.
     `trainable=False` freezes every parameter (the reference model).
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-
     config, impl = transformer_config(arch, opts)
     spec = layer_spec(arch, impl)
-    vocab = padded_vocab_size(arch.vocab_size, opts.tp)
-    num_chunks = opts.vpp if opts.vpp > 1 else 1
-    if arch.num_layers % (opts.pp * num_chunks):
-        raise ValueError(f"num_layers={arch.num_layers} is not divisible by pp*vpp={opts.pp * num_chunks}")
-    chunks = []
+    num_chunks = num_virtual_stages(arch, opts)
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
+    chunks = []
     for vp_stage in range(num_chunks):
-        stage = vp_stage if num_chunks > 1 else None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = GPTModel(
-                config=config,
-                transformer_layer_spec=spec,
-                vocab_size=vocab,
-                max_sequence_length=arch.max_position_embeddings,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                parallel_output=True,
-                share_embeddings_and_output_weights=arch.tied_embeddings,
-                position_embedding_type="rope",
-                rotary_base=int(arch.rope_theta),
-                vp_stage=stage,
-            )
+        model = gpt_model_chunk(arch, opts, config, spec, vp_stage if num_chunks > 1 else None)
         install_inv_freq(model, arch)
         model.to(device)
         if not trainable:

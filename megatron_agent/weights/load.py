@@ -110,6 +110,10 @@ def load_hf_weights(chunks: list, arch: ModelArch, model_path: str | Path, *, im
                         f"the model has {tuple(param.shape)}"
                     )
                 param.copy_(piece)
+                # safetensors tensors are views of the file's memory map: closing the files
+                # after each parameter keeps the resident set near one parameter, not the model.
+                del full, piece
+                reader.close()
                 seen.add(local_name)
                 num_set += 1
             unset = sorted(set(params) - seen)

@@ -93,41 +93,44 @@ def main() -> None:
     loop._sampling = sampling
 
     def agent_run():
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         trajs = loop.run(tasks)
-        seconds = time.perf_counter() - start
-        return trajs, seconds
+        return trajs, time.perf_counter() - start, time.process_time() - cpu
 
     def raw_run(num_tokens):
         prompts = [chat.prompt_ids(t.messages) for t in tasks]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         # The same scripted calls are forced here too, so that the forced-token processor costs
         # the same on both sides and the ratio measures the agent loop alone.
         forced = {FORCED_KEY: [t for script in scripts for t in script]} if scripts else None
         sampling = SamplingConfig(max_tokens=num_tokens, temperature=1.0, ignore_eos=True, extra_args=forced)
         outs = engine.generate(prompts, sampling)
-        seconds = time.perf_counter() - start
-        return sum(len(o[0].token_ids) for o in outs), seconds
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return sum(len(o[0].token_ids) for o in outs), seconds, cpu
 
     agent_run()  # warm-up
     # Paired, alternating repeats (the machine may be shared): the median ratio is reported.
-    ratios, runs = [], []
+    ratios, cpu_ratios, runs = [], [], []
     for _ in range(args.repeats):
         engine.reset_prefix_cache()
-        trajs, agent_s = agent_run()
+        trajs, agent_s, agent_cpu = agent_run()
         sampled = sum(sum(t.loss_mask) for t in trajs)
         engine.reset_prefix_cache()
-        raw_tokens, raw_s = raw_run(round(sampled / len(trajs)))
+        raw_tokens, raw_s, raw_cpu = raw_run(round(sampled / len(trajs)))
         ratios.append((sampled / agent_s) / (raw_tokens / raw_s))
+        cpu_ratios.append((sampled / agent_cpu) / (raw_tokens / raw_cpu))
         runs.append((ratios[-1], sampled, agent_s, raw_tokens, raw_s, trajs))
     aengine.close()
     ratio, sampled, agent_s, raw_tokens, raw_s, trajs = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     agent_tps, raw_tps = sampled / agent_s, raw_tokens / raw_s
+    cpu_ratio = sorted(cpu_ratios)[len(cpu_ratios) // 2]
     num_turns = sum(t.num_turns for t in trajs) / len(trajs)
     print(f"model={model} prompts={args.num_prompts} turns/traj={num_turns:.2f} cpu_threads={os.cpu_count()}")
     print(f"agent_loop: sampled_tokens={sampled} seconds={agent_s:.3f} tokens_per_s={agent_tps:.1f}")
     print(f"raw_generate: tokens={raw_tokens} seconds={raw_s:.3f} tokens_per_s={raw_tps:.1f}")
     print(f"ratios of the repeats: {', '.join(f'{r:.3f}' for r in ratios)}")
+    # Tokens per CPU-second of this process: steadier than wall time on a shared machine.
+    print(f"cpu_ratios of the repeats: {', '.join(f'{r:.3f}' for r in cpu_ratios)} (median {cpu_ratio:.3f})")
     print(f"throughput_ratio={ratio:.3f}")
 
 

@@ -69,6 +69,10 @@ class AsyncEngine:
         call = EngineCall([int(t) for t in prompt_ids], extra=dict(sampling.extra_args or {}))
         self._inbox.append((call, sampling, future))
         if self._pump is None or self._pump.done() or self._pump.get_loop() is not loop:
+            if self._pending:  # left over by an earlier event loop that was torn down
+                self.engine.abort(list(self._pending))
+                self._pending.clear()
+            self._inbox = [item for item in self._inbox if item[2].get_loop() is loop]
             self._wake = asyncio.Event()
             self._pump = loop.create_task(self._run())
         self._wake.set()

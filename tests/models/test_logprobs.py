@@ -95,7 +95,7 @@ def test_several_tiles_per_chunk(monkeypatch, dtype):
     monkeypatch.setattr(logprobs, "_CPU_TILE_ELEMENTS", 100)
     hidden_TH, weight_VH, target_T, g_logp_T, g_ent_T = _make_inputs(seed=5, dtype=dtype)
     expected = []
-    for tile_elements in (100, 1 << 22):
+    for tile_elements in (100, 1 << 24):
         monkeypatch.setattr(logprobs, "_CPU_TILE_ELEMENTS", tile_elements)
         hidden, weight = hidden_TH.clone().requires_grad_(), weight_VH.clone().requires_grad_()
         logits_TV = (hidden_TH @ weight_VH.t()).requires_grad_()

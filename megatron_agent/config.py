@@ -32,7 +32,7 @@ class ModelConfig:
     """Layer spec: 'auto' (Transformer Engine where TE and a GPU are present), 'te' or 'local'."""
     ref_offload: bool = False
     """Keep the frozen reference model's weights on the CPU between uses (GPU memory saving)."""
-    logprob_chunk_tokens: int = 4096
+    logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the vocab-parallel log-prob/entropy computation (bounds memory)."""
 
 

@@ -113,7 +113,7 @@ class MegatronModel:
         *,
         max_tokens: int = 4096,
         with_entropy: bool = False,
-        chunk_tokens: int = 4096,
+        chunk_tokens: int = 1024,
     ) -> list[torch.Tensor] | None:
         """Per-sequence fp32 log-probs of tokens 1..L-1 given their prefixes ([L-1] each).
 
@@ -146,7 +146,7 @@ class MegatronModel:
         extras: dict[str, Sequence[torch.Tensor]] | None = None,
         max_tokens: int = 4096,
         with_entropy: bool = False,
-        chunk_tokens: int = 4096,
+        chunk_tokens: int = 1024,
         skip_step: bool = False,
     ) -> tuple[list[dict], dict]:
         """Forward/backward over all micro-batches, then one optimizer step.

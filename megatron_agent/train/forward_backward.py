@@ -143,7 +143,7 @@ def forward_backward(
     loss_fn: LossFn | None = None,
     forward_only: bool = False,
     with_entropy: bool = False,
-    chunk_tokens: int = 4096,
+    chunk_tokens: int = 1024,
 ) -> list[dict]:
     """Run the pipeline schedule over `micro_batches`.
 

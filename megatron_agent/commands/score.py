@@ -102,12 +102,11 @@ def main(argv: list[str]) -> int:
             mine = list(range(dp_rank, len(batch), dp_size))
             logprobs = _score(model, [batch[k] for k in mine], args.max_tokens)
             if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-                local = list(zip(mine, logprobs))
-                gathered = [None] * dp_size
-                group = ps.get_data_parallel_group(with_context_parallel=False)
-                dist.all_gather_object(gathered, local, group=group) if dp_size > 1 else gathered.__setitem__(
-                    0, local
-                )
+                gathered = [list(zip(mine, logprobs))]
+                if dp_size > 1:
+                    gathered = [None] * dp_size
+                    group = ps.get_data_parallel_group(with_context_parallel=False)
+                    dist.all_gather_object(gathered, list(zip(mine, logprobs)), group=group)
                 if writer:
                     by_index = dict(pair for part in gathered for pair in part)
                     for k in range(len(batch)):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megatron_agent.models.hf_config import ModelArch, padded_vocab_size
 from megatron_agent.models.rope import install_inv_freq
+from megatron_agent.platform.setup import device as compute_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -163,11 +164,7 @@ def build_model_chunks(arch: ModelArch, opts: BuildOptions, *, trainable: bool =
     config, impl = transformer_config(arch, opts)
     spec = layer_spec(arch, impl)
     num_chunks = num_virtual_stages(arch, opts)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = compute_device()
     chunks = []
     for vp_stage in range(num_chunks):
         model = gpt_model_chunk(arch, opts, config, spec, vp_stage if num_chunks > 1 else None)

@@ -16,6 +16,7 @@ import torch
 
 from megatron_agent.models.build import BuildOptions, build_model_chunks, resolve_transformer_impl
 from megatron_agent.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
+from megatron_agent.platform.setup import device as compute_device
 from megatron_agent.train.forward_backward import (
     LossFn,
     forward_backward,
@@ -122,7 +123,7 @@ class MegatronModel:
         from megatron.core import parallel_state as ps
 
         self.onload()
-        micro_batches = make_micro_batches(sequences, max_tokens=max_tokens, device=_device())
+        micro_batches = make_micro_batches(sequences, max_tokens=max_tokens, device=compute_device())
         for chunk in self.chunks:
             chunk.eval()
         with torch.no_grad():
@@ -157,7 +158,9 @@ class MegatronModel:
         """
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen model (built with trainable=False)")
-        micro_batches = make_micro_batches(sequences, max_tokens=max_tokens, extras=extras, device=_device())
+        micro_batches = make_micro_batches(
+            sequences, max_tokens=max_tokens, extras=extras, device=compute_device()
+        )
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -188,11 +191,5 @@ class MegatronModel:
         if not self._offloaded:
             return
         for chunk in self.chunks:
-            chunk.to(_device())
+            chunk.to(compute_device())
         self._offloaded = False
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -51,4 +51,6 @@ def install_inv_freq(model, arch: ModelArch) -> None:
         return
     device = rotary.inv_freq.device
     rotary.inv_freq = hf_inv_freq(arch).to(device)
-    rotary.forward.cache_clear() if hasattr(rotary.forward, "cache_clear") else None
+    # Megatron memoises the rotary embedding per sequence length (lru_cache on forward).
+    if hasattr(rotary.forward, "cache_clear"):
+        rotary.forward.cache_clear()

@@ -56,6 +56,8 @@ def hf_logprobs(model_path) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["llama_tied", "llama_untied", "qwen2", "qwen3"])
 def test_megatron_matches_hf(results, tiny_models, name):
+    # The vocabulary (400) is padded to 512 rows in Megatron; had the 112 padded rows entered the
+    # softmax, every log-prob would be off by about 0.25, far beyond the tolerance.
     ours = [torch.tensor(x) for x in results["logprobs"][f"{name}/1x1"]]
     for seq, mine, ref in zip(sequences(), ours, hf_logprobs(tiny_models[name])):
         assert mine.shape == (len(seq) - 1,)
@@ -69,14 +71,6 @@ def test_layouts_match_tp1pp1(results, name, layout):
     other = results["logprobs"][f"{name}/{layout}"]
     for a, b in zip(base, other):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0), (name, layout)
-
-
-def test_padded_vocab_rows_never_leak(results):
-    # Log-probs are normalised over the real vocabulary only: 400 rows, padded to 512 in Megatron.
-    # If padded rows leaked in, the HF comparison above would fail; also check they are proper
-    # log-probs (<= 0) here.
-    for values in results["logprobs"].values():
-        assert all(v <= 0.0 for seq in values for v in seq)
 
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen3"])

@@ -5,12 +5,15 @@
 The agent loop runs N prompts; in each of the first `turns - 1` turns the model is scripted to
 emit a tool call of about `tokens-per-turn` ids (forced tokens: the engine still runs every
 forward pass and samples under the restriction) to a tool that answers instantly; the last
-turn samples freely with EOS ignored, for `tokens-per-turn` ids. The raw run then generates,
-on the same engine, for the same N prompts, the same number of sampled tokens per prompt in one
-`LLM.generate` call (one turn, EOS ignored, the same scripted ids forced first so that the
-forced-token processor costs the same on both sides). Both runs are
-timed after a warm-up. The last line is `throughput_ratio=X` (agent-loop sampled tokens/s over
-raw tokens/s); the target is >= 0.9. With no --model, a tiny random Qwen2 model is used.
+turn samples freely for `tokens-per-turn` ids, stopping neither at EOS nor at a `</tool_call>`
+sampled by chance, so that every trajectory samples the same count. The raw run then
+generates, on the same engine, from the same prompt ids (tool schemas included), the same
+number of sampled tokens per prompt in one `LLM.generate` call (one turn, EOS ignored, the same
+scripted ids forced first so that the forced-token processor costs the same on both sides).
+The run stops with an error unless every tool call succeeded. Both runs are timed after a
+warm-up, in alternating pairs; the median ratio is kept. The last line is `throughput_ratio=X`
+(agent-loop sampled tokens/s over raw tokens/s); the target is >= 0.9. With no --model, a tiny
+random Qwen2 model is used.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import os
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 
@@ -33,7 +37,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--tokens-per-turn", type=int, default=128, help="sampled ids per turn")
     parser.add_argument("--model", default="")
-    parser.add_argument("--repeats", type=int, default=3, help="paired timed repeats (median ratio kept)")
+    parser.add_argument("--repeats", type=int, default=7, help="paired timed repeats (median ratio kept)")
     args = parser.parse_args()
 
     from megatron_agent.data.tasks import Task
@@ -74,20 +78,24 @@ def main() -> None:
 
     messages = [{"role": "user", "content": "Use the echo tool, then answer."}]
     tasks = [
-        Task(f"p{i}", messages + [{"role": "user", "content": f"id {i}"}], [], {})
+        Task(f"p{i}", messages + [{"role": "user", "content": f"id {i}"}], ["echo"], {})
         for i in range(args.num_prompts)
     ]
     config = AgentLoopConfig(
         max_new_tokens=args.tokens_per_turn, max_turns=args.turns, max_total_tokens=4096, temperature=1.0
     )
     aengine = AsyncEngine(engine)
-    loop = AgentLoop(aengine, chat, ToolSet([Echo()]), config, turn_hook=hook)
-    # The last (free) turn must not stop at EOS, so that both sides sample the same counts.
+    tools = ToolSet([Echo()])
+    loop = AgentLoop(aengine, chat, tools, config, turn_hook=hook)
+    # The last (free) turn must stop neither at EOS nor at a `</tool_call>` sampled by chance, so
+    # that every trajectory samples the same count, as every raw prompt does: otherwise the last
+    # turn runs a shrinking batch and the ratio measures that imbalance, not the loop.
     base_sampling = loop._sampling
 
     def sampling(max_tokens, traj, turn):
         s = base_sampling(max_tokens, traj, turn)
-        s.ignore_eos = turn >= len(scripts)
+        if turn >= len(scripts):
+            s.ignore_eos, s.stop, s.stop_token_ids = True, [], []
         return s
 
     loop._sampling = sampling
@@ -98,7 +106,7 @@ def main() -> None:
         return trajs, time.perf_counter() - start, time.process_time() - cpu
 
     def raw_run(num_tokens):
-        prompts = [chat.prompt_ids(t.messages) for t in tasks]
+        prompts = [chat.prompt_ids(t.messages, tools.schemas(t.tools)) for t in tasks]  # as the loop's
         start, cpu = time.perf_counter(), time.process_time()
         # The same scripted calls are forced here too, so that the forced-token processor costs
         # the same on both sides and the ratio measures the agent loop alone.
@@ -111,12 +119,20 @@ def main() -> None:
     agent_run()  # warm-up
     # Paired, alternating repeats (the machine may be shared): the median ratio is reported.
     ratios, cpu_ratios, runs = [], [], []
-    for _ in range(args.repeats):
-        engine.reset_prefix_cache()
-        trajs, agent_s, agent_cpu = agent_run()
-        sampled = sum(sum(t.loss_mask) for t in trajs)
-        engine.reset_prefix_cache()
-        raw_tokens, raw_s, raw_cpu = raw_run(round(sampled / len(trajs)))
+    # Every trajectory samples (turns - 1) scripted calls plus one free turn of tokens-per-turn ids.
+    per_prompt = sum(len(script) for script in scripts) + args.tokens_per_turn
+    for repeat in range(args.repeats):
+        # The order alternates (agent first, then raw first) so that a drift of the machine's
+        # speed during the run does not favour one side.
+        for side in ("agent", "raw") if repeat % 2 == 0 else ("raw", "agent"):
+            engine.reset_prefix_cache()
+            if side == "agent":
+                trajs, agent_s, agent_cpu = agent_run()
+                sampled = sum(sum(t.loss_mask) for t in trajs)
+            else:
+                raw_tokens, raw_s, raw_cpu = raw_run(per_prompt)
+        if sampled != raw_tokens:
+            raise SystemExit(f"unequal work: the agent loop sampled {sampled} ids, raw {raw_tokens}")
         ratios.append((sampled / agent_s) / (raw_tokens / raw_s))
         cpu_ratios.append((sampled / agent_cpu) / (raw_tokens / raw_cpu))
         runs.append((ratios[-1], sampled, agent_s, raw_tokens, raw_s, trajs))
@@ -125,9 +141,13 @@ def main() -> None:
     agent_tps, raw_tps = sampled / agent_s, raw_tokens / raw_s
     cpu_ratio = sorted(cpu_ratios)[len(cpu_ratios) // 2]
     num_turns = sum(t.num_turns for t in trajs) / len(trajs)
+    statuses = Counter(c.status for t in trajs for c in t.tool_calls)
+    if set(statuses) != {"ok"}:  # a benchmark of failing calls would time error messages
+        raise SystemExit(f"tool calls did not all succeed: {dict(statuses)}")
     print(f"model={model} prompts={args.num_prompts} turns/traj={num_turns:.2f} cpu_threads={os.cpu_count()}")
     print(f"agent_loop: sampled_tokens={sampled} seconds={agent_s:.3f} tokens_per_s={agent_tps:.1f}")
     print(f"raw_generate: tokens={raw_tokens} seconds={raw_s:.3f} tokens_per_s={raw_tps:.1f}")
+    print(f"tool calls: {dict(statuses)}")
     print(f"ratios of the repeats: {', '.join(f'{r:.3f}' for r in ratios)}")
     # Tokens per CPU-second of this process: steadier than wall time on a shared machine.
     print(f"cpu_ratios of the repeats: {', '.join(f'{r:.3f}' for r in cpu_ratios)} (median {cpu_ratio:.3f})")

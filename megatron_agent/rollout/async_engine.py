@@ -19,6 +19,7 @@ the multiprocess engine core (slower start, spawn guards everywhere) for no gain
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,6 +55,7 @@ class AsyncEngine:
         self.num_steps = 0
         self._inbox: list[tuple] = []
         self._pending: dict[str, tuple] = {}
+        self._abandoned: list[str] = []
         self._wake: asyncio.Event | None = None
         self._pump: asyncio.Task | None = None
 
@@ -66,7 +68,7 @@ class AsyncEngine:
         """One sample for `prompt_ids` (sampling.n must be 1); cancellation aborts the request."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        call = EngineCall([int(t) for t in prompt_ids], extra=dict(sampling.extra_args or {}))
+        call = EngineCall(list(prompt_ids), extra=dict(sampling.extra_args or {}))
         self._inbox.append((call, sampling, future))
         if self._pump is None or self._pump.done() or self._pump.get_loop() is not loop:
             if self._pending:  # left over by an earlier event loop that was torn down
@@ -117,6 +119,11 @@ class AsyncEngine:
                 future.set_exception(exc)
                 continue
             self._pending[request_id] = (call, future)
+            future.add_done_callback(functools.partial(self._note_cancelled, request_id))
+
+    def _note_cancelled(self, request_id: str, future: asyncio.Future) -> None:
+        if future.cancelled():  # its coroutine was cancelled (e.g. a trajectory timeout)
+            self._abandoned.append(request_id)
 
     def _step(self) -> int:
         try:
@@ -135,9 +142,11 @@ class AsyncEngine:
                 self.calls.append(call)
             if not future.done():
                 future.set_result(output)
-        abandoned = [rid for rid, (_, future) in self._pending.items() if future.cancelled()]
-        if abandoned:
-            self.engine.abort(abandoned)
-            for rid in abandoned:
-                self._pending.pop(rid)
+        if self._abandoned:
+            abandoned = [rid for rid in self._abandoned if rid in self._pending]
+            self._abandoned.clear()
+            if abandoned:
+                self.engine.abort(abandoned)
+                for rid in abandoned:
+                    self._pending.pop(rid)
         return len(finished)

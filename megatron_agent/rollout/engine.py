@@ -155,6 +155,7 @@ class VLLMEngine:
             logprobs=0,
             detokenize=bool(sampling.stop),
             extra_args=sampling.extra_args,
+            skip_clone=True,  # built fresh for each request: vLLM need not deep-copy it again
         )
 
     def convert_output(self, completion) -> GenerationOutput:

@@ -219,7 +219,11 @@ def pad_for_interleaving(micro_batches: list[MicroBatch], pp: int) -> list[Micro
             batches[widest : widest + 1] = [_rows(mb, slice(0, half)), _rows(mb, slice(half, rows))]
         else:
             last = batches[-1]
-            batches.append(MicroBatch(last.input_ids_BS, last.position_ids_BS, last.valid_BT, [], last.extras, dummy=True))
+            batches.append(
+                MicroBatch(
+                    last.input_ids_BS, last.position_ids_BS, last.valid_BT, [], last.extras, dummy=True
+                )
+            )
     return batches
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_agent.checkpoint.layout import HF_DIR, MODEL_DIR, hf_side_files, publish, staging_dir
 from megatron_agent.checkpoint.lazy_save import lazy_save, storage_id
-from megatron_agent.checkpoint.manifest import verify_manifest
+from megatron_agent.checkpoint.manifest import BackgroundHasher, verify_manifest
 from megatron_agent.checkpoint.meta_model import build_meta_chunks
 from megatron_agent.checkpoint.model_io import (
     DTYPE_NAMES,
@@ -124,8 +124,14 @@ def hf_to_megatron(
 
         staging = begin_save(out, [MODEL_DIR], overwrite=overwrite)
         sharded = {f"chunk{i}": _in_row_blocks(chunk.sharded_state_dict()) for i, chunk in enumerate(chunks)}
+        # Each tensor file is hashed and synced on other threads while the next one is written.
+        hasher = BackgroundHasher()
         with discard_on_error(staging):
-            lazy_save(sharded, staging / MODEL_DIR, produce)
+            try:
+                lazy_save(sharded, staging / MODEL_DIR, produce, hasher)
+                digests = hasher.digests(staging)
+            finally:
+                hasher.close()
     meta = {
         "arch": arch_to_meta(arch),
         "dtype": dtype,
@@ -135,7 +141,7 @@ def hf_to_megatron(
         "source": str(hf_dir),
         "converted_by": "hf_to_megatron",
     }
-    finish_save(staging, out, hf_dir=hf_dir, meta=meta, overwrite=overwrite)
+    finish_save(staging, out, hf_dir=hf_dir, meta=meta, overwrite=overwrite, known_digests=digests)
     return meta
 
 

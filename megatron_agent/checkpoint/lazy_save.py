@@ -12,6 +12,7 @@ sources), whatever the model size. The files are an ordinary torch_dist checkpoi
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ def _strategy_class():
         _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
+    from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.planner import WriteItemType
 
     class LazyPlanner(MCoreSavePlanner):
@@ -63,9 +65,10 @@ def _strategy_class():
     class LazyTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         """torch_dist save strategy for meta-tensor state dicts whose values come from a producer."""
 
-        def __init__(self, producer: Producer):
+        def __init__(self, producer: Producer, hasher=None):
             super().__init__("torch_dist", 1)
             self._producer = producer
+            self._hasher = hasher
 
         def save(self, sharded_state_dict, checkpoint_dir: Path):
             import torch.distributed.checkpoint as dcp
@@ -81,6 +84,8 @@ def _strategy_class():
             writer = FileSystemWriter(
                 str(checkpoint_dir), single_file_per_rank=False, thread_count=1, sync_files=False
             )
+            if self._hasher is not None:
+                writer.fs = _HashingFileSystem(self._hasher)
             planner = LazyPlanner(
                 self._producer,
                 dedup_replicated_tensors=False,
@@ -89,16 +94,33 @@ def _strategy_class():
             )
             dcp.save(pyt_state_dict, storage_writer=writer, planner=planner)
 
+    class _HashingFileSystem(FileSystem):
+        """DCP's local file system, handing every closed tensor file to a `BackgroundHasher`."""
+
+        def __init__(self, hasher):
+            super().__init__()
+            self._hasher = hasher
+
+        @contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            # Tensor files are final when closed (the metadata file is written under a temporary
+            # name and renamed, so it is left to the manifest pass).
+            if "w" in mode and str(path).endswith(".distcp"):
+                self._hasher.submit(path)
+
     return LazyTorchDistSaveStrategy
 
 
-def lazy_save(sharded_state_dict: dict, checkpoint_dir: str | Path, producer: Producer) -> None:
+def lazy_save(sharded_state_dict: dict, checkpoint_dir: str | Path, producer: Producer, hasher=None) -> None:
     """`dist_checkpointing.save` of a meta-tensor sharded state dict, values from `producer`.
 
-    Collective over the default process group; `checkpoint_dir` must exist.
+    Collective over the default process group; `checkpoint_dir` must exist. With a
+    `manifest.BackgroundHasher`, each tensor file is hashed and synced while the next is written.
     """
     from megatron.core import dist_checkpointing
 
     dist_checkpointing.save(
-        sharded_state_dict, str(checkpoint_dir), sharded_strategy=_strategy_class()(producer)
+        sharded_state_dict, str(checkpoint_dir), sharded_strategy=_strategy_class()(producer, hasher)
     )

@@ -38,21 +38,58 @@ def _hash_all(paths: list[Path], *, fsync: bool = False) -> list[str]:
         return list(pool.map(lambda p: sha256_file(p, fsync=fsync), paths))
 
 
+class BackgroundHasher:
+    """Hash (and fsync) files on worker threads as soon as their writer closes them.
+
+    A writer calls `submit(path)` for each finished file and goes on writing the next one, so
+    hashing overlaps writing instead of following it; `digests(root)` waits for the workers and
+    returns {path relative to root: sha256} for `write_manifest(..., known=...)`. Files must not
+    change after they are submitted.
+    """
+
+    def __init__(self, workers: int | None = None):
+        self._pool = ThreadPoolExecutor(max(1, workers or min(8, os.cpu_count() or 1)))
+        self._futures: dict[Path, object] = {}
+
+    def submit(self, path: str | Path) -> None:
+        """Start hashing and syncing the closed file `path`."""
+        path = Path(path)
+        self._futures[path] = self._pool.submit(sha256_file, path, fsync=True)
+
+    def digests(self, root: str | Path) -> dict[str, str]:
+        """Wait for every submitted file; their digests keyed by path relative to `root`."""
+        root = Path(root)
+        try:
+            return {str(p.relative_to(root)): f.result() for p, f in self._futures.items()}
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the workers (files not yet started are skipped); safe to call twice."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def write_manifest(root: str | Path, *, fsync: bool = True) -> dict:
+def write_manifest(root: str | Path, *, fsync: bool = True, known: dict[str, str] | None = None) -> dict:
     """Hash every file under `root` into `root/manifest.json`; returns the manifest.
 
     With `fsync` every file is also flushed to disk while it is hashed, so a checkpoint that
-    has a manifest is durable (the writers themselves need not sync file by file).
+    has a manifest is durable (the writers themselves need not sync file by file). `known`
+    maps relative paths to digests already computed (and synced) by a `BackgroundHasher`;
+    those files are not read again.
     """
     root = Path(root)
+    known = known or {}
     paths = _files(root)
+    todo = [p for p in paths if str(p.relative_to(root)) not in known]
+    digests = dict(known)
+    digests.update(zip((str(p.relative_to(root)) for p in todo), _hash_all(todo, fsync=fsync)))
     files = {
-        str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": digest}
-        for p, digest in zip(paths, _hash_all(paths, fsync=fsync))
+        str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": digests[str(p.relative_to(root))]}
+        for p in paths
     }
     manifest = {"version": 1, "algorithm": "sha256", "files": files}
     tmp = root / (MANIFEST + ".tmp")

@@ -109,17 +109,33 @@ def discard_on_error(staging: Path):
         raise
 
 
-def finish_save(staging: Path, final: str | Path, *, hf_dir: str | Path, meta: dict, overwrite: bool) -> None:
-    """Collective: rank 0 adds HF side files, meta.json and the manifest, then renames into place."""
+def finish_save(
+    staging: Path,
+    final: str | Path,
+    *,
+    hf_dir: str | Path,
+    meta: dict,
+    overwrite: bool,
+    known_digests: dict[str, str] | None = None,
+) -> None:
+    """Collective: rank 0 adds HF side files, meta.json and the manifest, then renames into place.
+
+    `known_digests`: this rank's files already hashed and synced (relative to `staging`); the
+    ranks' dictionaries are gathered so that rank 0 reads only the files nobody hashed.
+    """
+    known = dict(known_digests or {})
+    if dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, known)
+        for part in gathered:
+            known.update(part)
 
     def finish():
         copy_hf_side_files(hf_dir, staging / HF_DIR)
         write_meta(staging, meta)
-        write_manifest(staging)
+        write_manifest(staging, known=known)
         publish(staging, final, overwrite=overwrite)
 
-    if dist.get_world_size() > 1:
-        dist.barrier()
     on_rank0(finish)
 
 

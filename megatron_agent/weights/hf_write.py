@@ -3,7 +3,9 @@
 The tensors to write are planned up front (name, shape, dtype, in writing order), so every
 shard's header can be written before its data and each tensor goes to disk as it arrives:
 memory stays at one tensor, whatever `max_shard_size`. With more than one shard,
-`model.safetensors.index.json` is written as transformers expects.
+`model.safetensors.index.json` is written as transformers expects. The data written is flushed
+to disk on a second thread while writing goes on (every `FLUSH_BYTES`), so closing a shard
+waits only for its last part.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +32,9 @@ _ST_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+FLUSH_BYTES = 128 << 20
+"""Bytes written between two background flushes of the open shard."""
+
 _UNITS = {
     "": 1,
     "B": 1,
@@ -119,6 +125,9 @@ class ShardedSafetensorsWriter:
         self._next = 0
         self._open_index = -1
         self._stream = None
+        self._flusher = ThreadPoolExecutor(1)
+        self._flush: Future | None = None
+        self._unflushed = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write the next planned tensor (raises if `name`, shape or dtype differ from the plan)."""
@@ -137,17 +146,33 @@ class ShardedSafetensorsWriter:
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
         self._stream.write(memoryview(data.view(torch.uint8).numpy()))
         self._next += 1
+        self._unflushed += spec.num_bytes
+        if self._unflushed >= FLUSH_BYTES and (self._flush is None or self._flush.done()):
+            self._wait_flush()
+            self._stream.flush()
+            self._flush = self._flusher.submit(os.fdatasync, self._stream.fileno())
+            self._unflushed = 0
+
+    def _wait_flush(self) -> None:
+        if self._flush is not None:
+            flush, self._flush = self._flush, None
+            flush.result()  # a failed background flush is an error here
 
     def _close_stream(self) -> None:
         if self._stream is not None:
-            self._stream.flush()
-            os.fsync(self._stream.fileno())  # durable before the caller renames the folder into place
-            self._stream.close()
-            self._stream = None
+            try:
+                self._wait_flush()
+                self._stream.flush()
+                os.fsync(self._stream.fileno())  # durable before the caller renames the folder into place
+            finally:
+                self._stream.close()
+                self._stream = None
+                self._unflushed = 0
 
     def close(self) -> list[str]:
         """Finish the last shard and write the index (several shards); returns the file names."""
         self._close_stream()
+        self._flusher.shutdown()
         if self._next != len(self._queue):
             missing = [spec.name for _, spec in self._queue[self._next :]]
             raise ValueError(f"{len(missing)} planned tensors were not written, first: {missing[0]}")

@@ -1,9 +1,11 @@
 """Benchmark: HF -> Megatron and Megatron -> HF on a generated ~500M-parameter bf16 checkpoint.
 
-    python bench/convert.py [--work DIR] [--keep]
+    python bench/convert.py [--work DIR] [--keep] [--shape qwen2.5-0.5b|qwen2.5-3b]
 
 The model has Qwen2.5-0.5B's shape (494M parameters, tied 151936 x 896 embedding, bf16, one
-988 MB safetensors file) with random weights. Each measurement runs in a fresh process:
+988 MB safetensors file) with random weights; `--shape qwen2.5-3b` uses Qwen2.5-3B-Instruct's
+(3.09B parameters, 6.2 GB, written as 5 GB shards like the published model) for the README's
+numbers. Each measurement runs in a fresh process:
   limit   a plain safetensors read-and-write of the same tensors (load_file + save_file + fsync):
           the disk and memory bound
   h2m     tools' hf_to_megatron (TP1PP1, one process), checksum manifest included
@@ -28,18 +30,31 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPE = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
+_QWEN25 = dict(
     vocab_size=151936,
     tie_word_embeddings=True,
     max_position_embeddings=32768,
     rope_theta=1000000.0,
     torch_dtype="bfloat16",
 )
+SHAPES = {
+    "qwen2.5-0.5b": dict(
+        _QWEN25,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    ),
+    "qwen2.5-3b": dict(
+        _QWEN25,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+    ),
+}
 
 
 def _status(field: str) -> int:
@@ -51,14 +66,14 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (peak RSS) to the current RSS
 
 
-def generate(folder: Path) -> int:
-    """Write the random bf16 Qwen2-shaped HF checkpoint; returns its weight bytes."""
+def generate(folder: Path, shape: str = "qwen2.5-0.5b", max_shard_bytes: int = 5 * 10**9) -> int:
+    """Write a random bf16 checkpoint of a Qwen2.5 shape; returns its weight bytes."""
     import torch
 
     from megatron_agent.models.tiny import build_tokenizer, tiny_config
     from megatron_agent.weights.hf_write import ShardedSafetensorsWriter, TensorSpec
 
-    cfg = tiny_config("qwen2", **SHAPE)
+    cfg = tiny_config("qwen2", **SHAPES[shape])
     cfg["eos_token_id"], cfg["pad_token_id"] = 2, 0
     folder.mkdir(parents=True, exist_ok=True)
     build_tokenizer(folder)
@@ -86,7 +101,7 @@ def generate(folder: Path) -> int:
         ]
     specs.append(("model.norm.weight", (h,)))
     plan = [TensorSpec(n, s, torch.bfloat16) for n, s in specs]
-    writer = ShardedSafetensorsWriter(folder, plan, 10**12)
+    writer = ShardedSafetensorsWriter(folder, plan, max_shard_bytes)
     gen = torch.Generator().manual_seed(0)
     for spec in plan:
         t = torch.randn(spec.shape, generator=gen).mul_(0.02).to(torch.bfloat16)
@@ -108,10 +123,12 @@ def phase(name: str, work: Path) -> dict:
         base = _status("VmRSS")
         _reset_peak()
         start = time.perf_counter()
-        tensors = load_file(work / "hf" / "model.safetensors")
-        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-        with open(out / "model.safetensors", "rb+") as fh:
-            os.fsync(fh.fileno())
+        for src in sorted((work / "hf").glob("*.safetensors")):
+            tensors = load_file(src)
+            save_file(tensors, out / src.name, metadata={"format": "pt"})
+            del tensors
+            with open(out / src.name, "rb+") as fh:
+                os.fsync(fh.fileno())
     else:
         from megatron_agent.checkpoint.convert import hf_to_megatron, megatron_to_hf
         from megatron_agent.platform.parallel import init_model_parallel
@@ -178,6 +195,9 @@ def main() -> None:
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder")
     p.add_argument("--repeats", type=int, default=3, help="runs of each phase (the fastest counts)")
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b", help="model shape (random weights)"
+    )
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.phase:
@@ -188,9 +208,9 @@ def main() -> None:
         for sub in ("hf", "ckpt", "back", "limit"):
             shutil.rmtree(work / sub, ignore_errors=True)
         t0 = time.perf_counter()
-        size = generate(work / "hf")
+        size = generate(work / "hf", args.shape)
         print(
-            f"generated {size / 1e9:.3f} GB bf16 checkpoint (Qwen2.5-0.5B shape) in {time.perf_counter() - t0:.1f} s"
+            f"generated {size / 1e9:.3f} GB bf16 checkpoint ({args.shape} shape) in {time.perf_counter() - t0:.1f} s"
         )
         # The phases alternate and repeat; the fastest run of each counts (shared, noisy machines).
         results: dict[str, dict] = {}

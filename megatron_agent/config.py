@@ -76,6 +76,8 @@ class RolloutConfig:
     """vLLM's share of GPU memory (GPU)."""
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
     """vLLM KV-cache size on CPU."""
+    enable_sleep_mode: bool = False
+    """GPU: start vLLM with sleep mode, so that `sleep()` frees its memory while the trainer runs."""
     max_trajectory_seconds: float = 0.0
     """Wall-clock budget of one trajectory in seconds (0: none); past it the trajectory ends ('timeout')."""
     stop_at_tool_call: bool = True

@@ -26,6 +26,7 @@ def build_engine(cfg: Config, model_path: str, cache_dir: str | None = None):
             tp=cfg.rollout.tp,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes,
+            enable_sleep_mode=cfg.rollout.enable_sleep_mode,
             seed=cfg.rollout.seed,
             cache_dir=cache_dir,
         )

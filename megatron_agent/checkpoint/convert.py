@@ -125,13 +125,9 @@ def hf_to_megatron(
         staging = begin_save(out, [MODEL_DIR], overwrite=overwrite)
         sharded = {f"chunk{i}": _in_row_blocks(chunk.sharded_state_dict()) for i, chunk in enumerate(chunks)}
         # Each tensor file is hashed and synced on other threads while the next one is written.
-        hasher = BackgroundHasher()
-        with discard_on_error(staging):
-            try:
-                lazy_save(sharded, staging / MODEL_DIR, produce, hasher)
-                digests = hasher.digests(staging)
-            finally:
-                hasher.close()
+        with discard_on_error(staging), BackgroundHasher() as hasher:
+            lazy_save(sharded, staging / MODEL_DIR, produce, hasher)
+            digests = hasher.digests(staging)
     meta = {
         "arch": arch_to_meta(arch),
         "dtype": dtype,

@@ -31,25 +31,35 @@ def sha256_file(path: Path, *, fsync: bool = False) -> str:
     return digest.hexdigest()
 
 
+def _num_workers(limit: int = 8) -> int:
+    """Hashing threads: up to 8, one per core (hashlib, reads and fsync release the GIL)."""
+    return max(1, min(limit, os.cpu_count() or 1))
+
+
 def _hash_all(paths: list[Path], *, fsync: bool = False) -> list[str]:
-    """sha256 of many files on a few threads (hashlib, reads and fsync release the GIL)."""
-    workers = max(1, min(8, os.cpu_count() or 1, len(paths)))
-    with ThreadPoolExecutor(workers) as pool:
+    """sha256 of many files on a few threads."""
+    with ThreadPoolExecutor(_num_workers(max(len(paths), 1))) as pool:
         return list(pool.map(lambda p: sha256_file(p, fsync=fsync), paths))
 
 
 class BackgroundHasher:
     """Hash (and fsync) files on worker threads as soon as their writer closes them.
 
-    A writer calls `submit(path)` for each finished file and goes on writing the next one, so
-    hashing overlaps writing instead of following it; `digests(root)` waits for the workers and
-    returns {path relative to root: sha256} for `write_manifest(..., known=...)`. Files must not
-    change after they are submitted.
+    Use as a context manager (the workers stop on exit). A writer calls `submit(path)` for each
+    finished file and goes on writing the next one, so hashing overlaps writing instead of
+    following it; `digests(root)` waits for the workers and returns {path relative to root:
+    sha256} for `write_manifest(..., known=...)`. Files must not change after they are submitted.
     """
 
     def __init__(self, workers: int | None = None):
-        self._pool = ThreadPoolExecutor(max(1, workers or min(8, os.cpu_count() or 1)))
+        self._pool = ThreadPoolExecutor(workers or _num_workers())
         self._futures: dict[Path, object] = {}
+
+    def __enter__(self) -> BackgroundHasher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def submit(self, path: str | Path) -> None:
         """Start hashing and syncing the closed file `path`."""
@@ -58,15 +68,7 @@ class BackgroundHasher:
 
     def digests(self, root: str | Path) -> dict[str, str]:
         """Wait for every submitted file; their digests keyed by path relative to `root`."""
-        root = Path(root)
-        try:
-            return {str(p.relative_to(root)): f.result() for p, f in self._futures.items()}
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Stop the workers (files not yet started are skipped); safe to call twice."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        return {str(p.relative_to(root)): f.result() for p, f in self._futures.items()}
 
 
 def _files(root: Path) -> list[Path]:
@@ -82,15 +84,11 @@ def write_manifest(root: str | Path, *, fsync: bool = True, known: dict[str, str
     those files are not read again.
     """
     root = Path(root)
-    known = known or {}
-    paths = _files(root)
-    todo = [p for p in paths if str(p.relative_to(root)) not in known]
-    digests = dict(known)
-    digests.update(zip((str(p.relative_to(root)) for p in todo), _hash_all(todo, fsync=fsync)))
-    files = {
-        str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": digests[str(p.relative_to(root))]}
-        for p in paths
-    }
+    rels = {str(p.relative_to(root)): p for p in _files(root)}
+    digests = {rel: known[rel] for rel in rels if known and rel in known}
+    todo = [rel for rel in rels if rel not in digests]
+    digests.update(zip(todo, _hash_all([rels[rel] for rel in todo], fsync=fsync)))
+    files = {rel: {"size": p.stat().st_size, "sha256": digests[rel]} for rel, p in rels.items()}
     manifest = {"version": 1, "algorithm": "sha256", "files": files}
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))

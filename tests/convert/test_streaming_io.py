@@ -39,13 +39,13 @@ def test_background_flushes_leave_shards_bit_exact(tmp_path, monkeypatch):
 def test_background_hashes_are_the_manifest_and_are_not_recomputed(tmp_path, monkeypatch):
     root = tmp_path / "ckpt"
     (root / "model").mkdir(parents=True)
-    hasher = BackgroundHasher(workers=2)
-    for i in range(5):
-        path = root / "model" / f"__0_{i}.distcp"
-        path.write_bytes(os.urandom(10_000 + i))
-        hasher.submit(path)
-    (root / "meta.json").write_text("{}")
-    known = hasher.digests(root)
+    with BackgroundHasher(workers=2) as hasher:
+        for i in range(5):
+            path = root / "model" / f"__0_{i}.distcp"
+            path.write_bytes(os.urandom(10_000 + i))
+            hasher.submit(path)
+        (root / "meta.json").write_text("{}")
+        known = hasher.digests(root)
     assert sorted(known) == [f"model/__0_{i}.distcp" for i in range(5)]
 
     hashed = []

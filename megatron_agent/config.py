@@ -56,8 +56,12 @@ class RolloutConfig:
 
     engine: str = "vllm"
     """Rollout engine: 'vllm' (default) or 'hf' (transformers generate; a debugging aid only)."""
-    n_samples: int = 4
+    n: int = 4
     """Trajectories sampled per prompt (the GRPO group size)."""
+    num_engines: int = 1
+    """Rollout engine actors; each step's prompts are split across them."""
+    colocate: bool = True
+    """GPU: engines share the trainer's GPUs (the engine sleeps during the update); else separate GPUs."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
@@ -92,7 +96,7 @@ class RolloutConfig:
 class AlgorithmConfig:
     """Advantage estimation, KL and the policy loss."""
 
-    advantage: str = "grpo"
+    adv_estimator: str = "grpo"
     """Advantage estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, gae."""
     loss_agg_mode: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
@@ -105,7 +109,7 @@ class AlgorithmConfig:
     kl_loss_coef: float = 0.0
     """Weight of the KL loss term (0 disables it)."""
     kl_loss_estimator: str = "k3+"
-    """KL estimator for the loss term: k1, abs, k2, k3, k1+, k3+ (and aliases)."""
+    """KL estimator for the loss term: k1, abs, k2, k3, k1+, k3+ (k3's value with k2's gradient)."""
     kl_reward_coef: float = 0.0
     """Weight of the per-token k1 KL subtracted from rewards (REINFORCE++ style)."""
     entropy_coef: float = 0.0
@@ -138,6 +142,14 @@ class AlgorithmConfig:
     """Weights above the cap: 'truncate' (cap them) or 'mask' (drop the token or sequence)."""
     mismatch_thresholds: list[float] = field(default_factory=lambda: [0.1, 1.0])
     """|old - rollout| log-prob thresholds reported as mismatch/frac_abs_diff_gt_{t}."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards all tie and generate more until the batch is full."""
+    max_num_gen_batches: int = 4
+    """Dynamic sampling: generation rounds per step at most (then train on what was kept)."""
+    overlong_buffer_len: int = 0
+    """Overlong penalty: responses within this many tokens of the limit lose reward linearly (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """Overlong penalty at the limit itself (reward minus this factor)."""
     guard_enabled: bool = True
     """Check loss, gradients and per-token log-ratios before each optimizer step; skip on a breach."""
     guard_max_abs_log_ratio: float | None = 20.0
@@ -157,21 +169,67 @@ class AlgorithmConfig:
 
 
 @dataclass
+class ActorConfig:
+    """The actor's optimisation: PPO epochs, mini- and micro-batches, optimizer, schedule."""
+
+    ppo_mini_batch_size: int = 0
+    """Prompts per optimizer step (each with its rollout.n samples); 0 means data.train_batch_size."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    micro_batch_tokens: int = 4096
+    """Token budget per micro-batch (sequences are packed up to it)."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to `lr`."""
+    lr_decay: str = "constant"
+    """After warmup: 'constant', 'linear' or 'cosine' decay to `min_lr` at the last optimizer step."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (optimizer state sharded over data-parallel ranks)."""
+
+
+@dataclass
 class DataConfig:
     """Prompt datasets."""
 
     train_path: str = ""
     """Parquet or jsonl task file; empty means synthetic tasks generated on the fly."""
-    eval_path: str = ""
-    """Optional evaluation task file."""
-    prompts_per_step: int = 4
-    """Prompts per RL step (each sampled n_samples times)."""
+    val_path: str = ""
+    """Held-out task file for validation; empty means synthetic tasks with another seed."""
+    train_batch_size: int = 4
+    """Prompts per RL step (each sampled rollout.n times)."""
+    val_batch_size: int = 0
+    """Validation tasks used per validation (0: all of the validation set)."""
+    shuffle: bool = True
+    """Shuffle the training tasks every epoch."""
     seed: int = 1234
     """Shuffling seed."""
+    max_prompt_length: int = 256
+    """Prompt tokens at most; longer prompts are skipped and counted (data/skipped_rows)."""
     synthetic: str = "arithmetic"
     """Synthetic tasks used when the task path is empty: arithmetic (calculator) or multihop (search)."""
     num_synthetic_tasks: int = 16
     """How many synthetic tasks to generate."""
+    num_synthetic_val_tasks: int = 32
+    """How many synthetic validation tasks to generate (when val_path is empty)."""
+
+
+@dataclass
+class PythonToolConfig:
+    """The `python` tool's sandbox and limits."""
+
+    sandbox: str = "auto"
+    """'strict' (bubblewrap required), 'auto' (bubblewrap if present, else limits only, with a warning), 'off'."""
+    memory_mb: int = 512
+    """Address-space limit of one run, in MiB."""
+    max_processes: int = 16
+    """Processes (and threads) one run may have at once."""
 
 
 @dataclass
@@ -190,28 +248,60 @@ class ToolsConfig:
     """Folder of the prebuilt BM25 index of the `search` tool (see envs/tools/search.py)."""
     search_top_k: int = 3
     """Passages returned by one `search` call."""
-    python_memory_mb: int = 512
-    """Address-space limit of one `python` tool run, in MiB."""
+    python: PythonToolConfig = field(default_factory=PythonToolConfig)
+    """The python tool."""
+
+
+@dataclass
+class SyncConfig:
+    """Megatron -> rollout engine weight sync after every update."""
+
+    bucket_mb: int = 256
+    """Size of one flat transfer buffer in MiB (a larger tensor travels alone)."""
+    verify: bool = True
+    """Check a checksum per bucket and probe log-probs (engine vs actor) after every sync."""
+    probe_tol_fp32: float = 1e-4
+    """Largest |engine - actor| probe log-prob allowed in fp32."""
+    probe_tol_bf16: float = 0.1
+    """Largest |engine - actor| probe log-prob allowed in bf16."""
+    timeout_s: float = 300.0
+    """An engine that does not answer a sync call within this many seconds is an error."""
+    transport: str = "auto"
+    """'auto' (from where the engine lives), 'direct', 'shm', 'cuda_ipc' or 'nccl'."""
 
 
 @dataclass
 class TrainerConfig:
-    """The optimisation loop."""
+    """The run: steps, validation, run folder, resume, seeds."""
 
-    steps: int = 10
+    total_steps: int = 10
     """RL steps to run."""
-    lr: float = 1e-5
-    """Peak learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip."""
-    micro_batch_tokens: int = 4096
-    """Token budget per micro-batch (sequences are packed up to it)."""
-    mini_batches: int = 1
-    """Optimizer steps per RL step (the rollout batch is split into this many mini-batches)."""
+    run_dir: str = "runs/default"
+    """Run folder: metrics.jsonl, rollout dumps, guard reports, checkpoints, plot."""
+    test_freq: int = 0
+    """Validate every N steps (and before the first step); 0: only before the first and after the last."""
+    dump_rollouts: bool = True
+    """Write rollouts/step_{N:06d}.jsonl each step."""
+    resume: str = "auto"
+    """'auto' (newest complete checkpoint in the run folder), 'never', or a checkpoint folder."""
+    deterministic: bool = False
+    """Bitwise-repeatable rollouts and updates on CPU for the same seed (per-request seeds)."""
     seed: int = 42
     """Seed of every RNG (torch, numpy, python, Megatron's TP RNG tracker)."""
+    init_from: str = ""
+    """Checkpoint (e.g. written by `sft`) whose weights the actor starts from instead of model.path."""
+    worker_timeout_s: float = 600.0
+    """A worker call that does not return within this many seconds is an error naming the worker."""
+
+
+@dataclass
+class RayConfig:
+    """Where the Ray cluster comes from."""
+
+    address: str = ""
+    """'' starts a local cluster sized to the machine; 'auto' or HOST:PORT joins an existing one."""
+    num_cpus: int = 0
+    """CPUs of the local cluster (0: all of this machine's)."""
 
 
 @dataclass
@@ -220,24 +310,24 @@ class CheckpointConfig:
 
     save_dir: str = ""
     """Where checkpoints go; empty means <run_dir>/checkpoints."""
-    save_interval: int = 0
+    save_freq: int = 0
     """Save every N steps (0: only at the end)."""
-    load: str = ""
-    """Checkpoint folder to resume from."""
+    keep_last: int = 2
+    """Complete checkpoints kept (older ones removed only after a new one is complete)."""
 
 
 @dataclass
 class LoggingConfig:
-    """Metrics and dumps."""
+    """Metrics outputs besides metrics.jsonl and the console table."""
 
-    run_dir: str = "runs/default"
-    """Run folder: metrics.jsonl, rollout dumps, guard reports, checkpoints."""
     tensorboard: bool = False
-    """Also write tensorboard event files."""
+    """Also write tensorboard event files to <run_dir>/tensorboard."""
     wandb_project: str = ""
-    """Also log to this wandb project (empty: off)."""
-    dump_rollouts: bool = True
-    """Write rollouts/step_{N:06d}.jsonl each step."""
+    """Also log to this wandb project (empty: off; WANDB_MODE=offline works without a network)."""
+    plot: bool = True
+    """Redraw <run_dir>/metrics.png every step."""
+    progress_bars: bool = True
+    """Progress bars for the rollout and update phases (only when stderr is a terminal)."""
 
 
 @dataclass
@@ -252,12 +342,18 @@ class Config:
     """Rollout engine and agent loop."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """RL algorithm."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Actor optimisation."""
     data: DataConfig = field(default_factory=DataConfig)
     """Datasets."""
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     """Tools."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Weight sync to the rollout engines."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """Optimisation."""
+    """The run."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Ray cluster."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

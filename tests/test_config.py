@@ -11,14 +11,14 @@ def test_defaults_yaml_and_overrides(tmp_path):
         "parallel:\n  tp: 2\nrollout:\n  temperature: 0.7\ntools:\n  enabled: [calculator, search]\n"
     )
     cfg = load_config(
-        path, ["parallel.pp=2", "trainer.lr=3e-6", "logging.tensorboard=true", "tools.enabled=search"]
+        path, ["parallel.pp=2", "actor.lr=3e-6", "logging.tensorboard=true", "tools.enabled=search"]
     )
     assert (cfg.parallel.tp, cfg.parallel.pp) == (2, 2)
     assert cfg.rollout.temperature == 0.7
-    assert cfg.trainer.lr == 3e-6
+    assert cfg.actor.lr == 3e-6
     assert cfg.logging.tensorboard is True
     assert cfg.tools.enabled == ["search"]
-    assert cfg.trainer.steps == 10  # untouched default
+    assert cfg.trainer.total_steps == 10  # untouched default
 
 
 @pytest.mark.parametrize(
@@ -29,7 +29,7 @@ def test_defaults_yaml_and_overrides(tmp_path):
             "rollout.temprature=0.5",
             "unknown config key 'rollout.temprature'; did you mean 'rollout.temperature'?",
         ),
-        ("trainr.lr=1", "unknown config key 'trainr.lr'; did you mean 'trainer.lr'?"),
+        ("actr.lr=1", "unknown config key 'actr.lr'; did you mean 'actor.lr'?"),
         ("parallel.tp=two", "config key 'parallel.tp' expects int, got 'two'"),
         ("logging.tensorboard=maybe", "config key 'logging.tensorboard' expects true/false"),
         ("parallel.tp", "is not of the form key=value"),

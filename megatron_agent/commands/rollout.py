@@ -1,8 +1,8 @@
 """`python -m megatron_agent rollout --config FILE key=value ...`: evaluate a model with the agent loop.
 
-Generates `rollout.n_samples` trajectories per task of the dataset (`data.eval_path`, else
+Generates `rollout.n` trajectories per task of the dataset (`data.val_path`, else
 `data.train_path`, else synthetic tasks), writes the rollout dump
-`<logging.run_dir>/rollouts/step_{N:06d}.jsonl`, a metrics line in `<run_dir>/metrics.jsonl`, and
+`<trainer.run_dir>/rollouts/step_{N:06d}.jsonl`, a metrics line in `<run_dir>/metrics.jsonl`, and
 prints reward and tool statistics. With `model.path` empty a tiny random model is made in the
 run folder (a smoke test of the machinery, not of a model).
 """
@@ -27,11 +27,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", default=None, help="YAML config file")
     parser.add_argument("--model", default=None, help="HF model folder (overrides model.path)")
     parser.add_argument(
-        "--data", default=None, help="task file, .jsonl or .parquet (overrides data.eval_path)"
+        "--data", default=None, help="task file, .jsonl or .parquet (overrides data.val_path)"
     )
-    parser.add_argument("--run-dir", default=None, help="run folder (overrides logging.run_dir)")
+    parser.add_argument("--run-dir", default=None, help="run folder (overrides trainer.run_dir)")
     parser.add_argument("--step", type=int, default=0, help="step number of the dump file name")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. rollout.n_samples=2")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. rollout.n=2")
     return parser.parse_args(argv)
 
 
@@ -40,7 +40,7 @@ def _tasks(cfg, run_dir: Path):
     from megatron_agent.data import synthetic
     from megatron_agent.data.tasks import load_tasks
 
-    path = cfg.data.eval_path or cfg.data.train_path
+    path = cfg.data.val_path or cfg.data.train_path
     if path:
         tasks, num_skipped = load_tasks(path)
         if not tasks:
@@ -94,10 +94,10 @@ def main(argv: list[str]) -> int:
     if args.model:
         cfg.model.path = args.model
     if args.data:
-        cfg.data.eval_path = args.data
+        cfg.data.val_path = args.data
     if args.run_dir:
-        cfg.logging.run_dir = args.run_dir
-    run_dir = Path(cfg.logging.run_dir)
+        cfg.trainer.run_dir = args.run_dir
+    run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TMPDIR", str(run_dir))
 
@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
     engine = build_engine(cfg, model_path, cache_dir=str(run_dir))
     loop = build_agent_loop(cfg, engine, tools)
     start = time.monotonic()
-    trajectories = loop.run(tasks, cfg.rollout.n_samples)
+    trajectories = loop.run(tasks, cfg.rollout.n)
     seconds = time.monotonic() - start
     loop.engine.close()
     build_training_batch(trajectories, pad_id=0)  # the provenance contract holds for every row
@@ -132,7 +132,7 @@ def main(argv: list[str]) -> int:
     metrics["data/skipped_rows"] = float(num_skipped)
     metrics["timing_s/gen"] = seconds
     metrics["rollout/sampled_tokens_per_s"] = metrics["tokens/sampled"] / max(seconds, 1e-9)
-    dump = write_rollout_dump(run_dir, args.step, trajectories) if cfg.logging.dump_rollouts else None
+    dump = write_rollout_dump(run_dir, args.step, trajectories) if cfg.trainer.dump_rollouts else None
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": args.step, **metrics}) + "\n")
     print(_summary(metrics, seconds))

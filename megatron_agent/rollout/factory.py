@@ -49,7 +49,7 @@ def build_toolset(cfg: Config, names: list[str] | None = None) -> ToolSet:
             name,
             search_index_dir=cfg.tools.search_index_dir,
             search_top_k=cfg.tools.search_top_k,
-            python_memory_mb=cfg.tools.python_memory_mb,
+            python_memory_mb=cfg.tools.python.memory_mb,
         )
         for name in (cfg.tools.enabled if names is None else names)
     ]

@@ -32,7 +32,7 @@ def test_rollout_command_writes_dump_and_prints_stats(tiny_model_dir, tmp_path):
         str(tasks),
         "--run-dir",
         str(run_dir),
-        "rollout.n_samples=2",
+        "rollout.n=2",
         "rollout.max_new_tokens=16",
         "rollout.max_total_tokens=1024",
     ]

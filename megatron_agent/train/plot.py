@@ -1,0 +1,173 @@
+"""The run's PNG plot: reward and accuracy, KL, entropy, response length, tool calls, step time.
+
+Drawn headless (matplotlib's Agg canvas on a `Figure`, no pyplot state) and written atomically
+(a temporary file renamed over the old PNG), so a viewer never reads half a file. `BackgroundPlotter`
+redraws on a worker thread so that the training step does not wait for it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+# (panel title, y-axis label, [(metric name, legend label), ...]); a panel shows the series present.
+PANELS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    (
+        "reward and accuracy",
+        "",
+        (
+            ("critic/score/mean", "train reward"),
+            ("val/score/mean", "val reward"),
+            ("val/accuracy", "val accuracy"),
+        ),
+    ),
+    (
+        "KL",
+        "nats per token",
+        (
+            ("actor/kl_loss", "to reference (loss)"),
+            ("critic/kl", "to reference (in reward)"),
+            ("actor/ppo_kl", "PPO: old vs new"),
+        ),
+    ),
+    ("entropy", "nats per token", (("actor/entropy", "entropy"),)),
+    (
+        "response length",
+        "tokens",
+        (("response_length/mean", "mean"), ("response_length/max", "max")),
+    ),
+    ("tool calls", "per step", (("tool/calls", "calls"), ("tool/errors", "errors"))),
+    (
+        "time per step",
+        "seconds",
+        (("timing_s/step", "step"), ("timing_s/gen", "generation"), ("timing_s/update_actor", "update")),
+    ),
+)
+
+_MARKER_MAX_POINTS = 40
+"""Series with at most this many points get markers (sparse ones such as val/* stay visible)."""
+
+
+def plot_metrics(rows: Sequence[Mapping[str, float]], path: str | Path, title: str = "") -> Path:
+    """Draw the metrics of `rows` (each with "step") over steps into the PNG at `path`.
+
+    Non-finite values leave a gap in their line and a red dotted vertical line at their step.
+    Returns `path`.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    path = Path(path)
+    # Fixed margins: constrained layout would double the drawing time.
+    fig = Figure(figsize=(14, 7.5), dpi=100)
+    fig.subplots_adjust(left=0.06, right=0.985, bottom=0.075, top=0.9, wspace=0.22, hspace=0.22)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 3, sharex=True).ravel()
+    last_step = rows[-1]["step"] if rows else None
+    fig.suptitle(f"{title}  (step {last_step})" if title else f"step {last_step}", fontsize=13)
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax, (panel_title, ylabel, series) in zip(axes, PANELS):
+        _draw_panel(ax, rows, panel_title, ylabel, series)
+    for ax in axes[3:]:
+        ax.set_xlabel("step")
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+    return path
+
+
+def _draw_panel(ax, rows, panel_title: str, ylabel: str, series) -> None:
+    ax.set_title(panel_title, fontsize=11)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    bad_steps: set[int] = set()
+    drawn = 0
+    for key, label in series:
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if not points:
+            continue
+        steps = [s for s, _ in points]
+        values = [v if math.isfinite(v) else math.nan for _, v in points]
+        bad_steps.update(s for s, v in points if not math.isfinite(v))
+        marker = "o" if len(points) <= _MARKER_MAX_POINTS else None
+        last = next((v for v in reversed(values) if not math.isnan(v)), math.nan)
+        ax.plot(steps, values, marker=marker, markersize=3.5, linewidth=1.6, label=f"{label} ({last:.3g})")
+        drawn += 1
+    for step in sorted(bad_steps):
+        ax.axvline(step, color="red", linestyle=":", linewidth=1.2)
+    if bad_steps:
+        ax.plot([], [], color="red", linestyle=":", label="non-finite value")
+    if drawn == 0:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        return
+    ax.legend(fontsize=8, loc="best", framealpha=0.8)
+
+
+class BackgroundPlotter:
+    """Redraws a PNG on one worker thread so that a step does not wait for matplotlib.
+
+    `submit(rows)` asks for a redraw of `rows` (a snapshot: the list must not change later); when
+    several requests arrive during one redraw only the latest is drawn. `wait()` blocks until the
+    PNG shows the last request. An error in a redraw is raised by the next `submit` or `wait`.
+    """
+
+    def __init__(self, path: str | Path, title: str = ""):
+        self.path = Path(path)
+        self.title = title
+        self._cond = threading.Condition()
+        self._pending: Sequence[Mapping[str, float]] | None = None
+        self._busy = False
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="metrics-plot", daemon=True)
+        self._thread.start()
+
+    def submit(self, rows: Sequence[Mapping[str, float]]) -> None:
+        """Ask for a redraw of `rows` (returns at once)."""
+        with self._cond:
+            self._raise_error()
+            self._pending = rows
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Block until every submitted redraw is on disk."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending is None and not self._busy)
+            self._raise_error()
+
+    def close(self) -> None:
+        """Finish the last redraw, then stop the thread."""
+        try:
+            self.wait()
+        finally:
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
+            self._thread.join()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"redrawing {self.path} failed: {error!r}") from error
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._stop)
+                if self._pending is None:
+                    return
+                rows, self._pending, self._busy = self._pending, None, True
+            try:
+                plot_metrics(rows, self.path, self.title)
+            except BaseException as e:  # handed to the caller's thread
+                with self._cond:
+                    self._error = e
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()

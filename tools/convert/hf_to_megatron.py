@@ -5,7 +5,8 @@
 
 Streams one tensor at a time; the checkpoint (Megatron torch_dist, with the HF config, tokenizer
 and generation config beside it and a checksum manifest) loads at any TP/PP/VPP. --tp/--pp/--vpp
-only choose how the work is split over the torchrun processes. See docs/convert.md.
+only choose how the work is split over the torchrun processes: without torchrun the conversion
+runs in one process (tp=pp=1) and says so. See docs/convert.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import quiet, report_peak  # noqa: E402
+from _common import check_layout, quiet, report_peak  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint folder")
     args = p.parse_args(argv)
     quiet()
+    args.tp, args.pp, args.vpp = check_layout("hf_to_megatron.py", args.tp, args.pp, args.vpp, keep=False)
     from megatron_agent.checkpoint.convert import hf_to_megatron
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
 

@@ -4,7 +4,9 @@
     torchrun --nproc_per_node 4 tools/convert/verify.py --hf PATH --ckpt CKPT --tp 2 --pp 2
 
 Runs the HF model (transformers) and the Megatron model loaded from the checkpoint at --tp/--pp
-on a random and a text batch; prints max |logit diff|, max |log-prob diff| and argmax agreement.
+on a random and a text batch (the text batch needs tokenizer files, in the checkpoint's hf/
+folder or in --hf; without them it is skipped, with a note, and only random ids are compared);
+prints max |logit diff|, max |log-prob diff| and argmax agreement.
 When the HF weights have the checkpoint's dtype, both run in fp32 (the weights are then
 identical, so any difference is a conversion error); otherwise (e.g. an fp32 model converted
 to bf16) both run in the checkpoint's dtype with its looser tolerances. Exit status 1 when a
@@ -19,7 +21,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import quiet  # noqa: E402
+from _common import check_layout, quiet  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+"""Any of these in a folder means it may hold a tokenizer."""
+
+
+def usable_tokenizer(folders: list[Path], vocab_size: int) -> tuple[Path | None, str]:
+    """The first folder whose tokenizer encodes the sample text into ids below `vocab_size`,
+    or (None, why none did)."""
+    from megatron_agent.checkpoint.logit_check import SAMPLE_TEXT
+
+    reasons = []
+    for folder in folders:
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            reasons.append(f"{folder} has no tokenizer files")
+            continue
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(folder))
+            ids = [i for i in tok(SAMPLE_TEXT, add_special_tokens=False)["input_ids"] if i < vocab_size]
+        except Exception as exc:  # noqa: BLE001 - a broken tokenizer only costs the text batch
+            reasons.append(f"{folder}: the tokenizer does not load ({type(exc).__name__}: {str(exc)[:200]})")
+            continue
+        if len(ids) < 2:
+            reasons.append(
+                f"{folder}: the tokenizer gives {len(ids)} ids below the vocabulary size {vocab_size}"
+            )
+            continue
+        return folder, ""
+    return None, "; ".join(reasons)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     quiet()
+    check_layout("verify.py", args.tp, args.pp, keep=True)
     import torch.distributed as dist
 
     from megatron_agent.checkpoint.layout import HF_DIR, read_meta
@@ -71,12 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         tol["logits"] = args.atol_logits
     if args.atol_logprobs is not None:
         tol["logprobs"] = args.atol_logprobs
+    tokenizer_dir, why_not = usable_tokenizer([Path(args.ckpt) / HF_DIR, Path(args.hf)], arch.vocab_size)
+    if tokenizer_dir is None and dist.get_rank() == 0:
+        print(f"note: text batch skipped, comparing on random ids only: {why_not}")
     reports = check_against_hf(
         chunks,
         args.hf,
         arch.vocab_size,
         DTYPES[compute],
-        tokenizer_dir=Path(args.ckpt) / HF_DIR,
+        tokenizer_dir=tokenizer_dir,
         batch=args.batch,
         seq_len=args.seq_len,
     )

@@ -53,8 +53,12 @@ def resolve_transformer_impl(requested: str) -> str:
     return requested
 
 
-def transformer_config(arch: ModelArch, opts: BuildOptions):
-    """The Megatron `TransformerConfig` reproducing `arch` exactly (no dropout, no fusions on CPU)."""
+def transformer_config(arch: ModelArch, opts: BuildOptions, *, initialize: bool = True):
+    """The Megatron `TransformerConfig` reproducing `arch` exactly (no dropout, no fusions on CPU).
+
+    `initialize=False` turns Megatron's weight initialisation off (for models whose weights are
+    loaded next): parameters are allocated but hold whatever memory they were given.
+    """
     from megatron.core.transformer import TransformerConfig
 
     if opts.dtype not in DTYPES:
@@ -96,7 +100,11 @@ def transformer_config(arch: ModelArch, opts: BuildOptions):
         bf16=dtype == torch.bfloat16,
         attention_softmax_in_fp32=True,
         use_cpu_initialization=not on_gpu,
-        perform_initialization=True,
+        perform_initialization=initialize,
+        # A tied last pipeline stage copies the embedding from the first one with an all-reduce
+        # at construction; this flag skips it, and the load fills that copy itself. (Its only
+        # other effect is Transformer Engine's meta device, so it is set for the local spec only.)
+        init_model_with_meta_device=not initialize and impl == "local",
         bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
@@ -155,13 +163,19 @@ def gpt_model_chunk(arch: ModelArch, opts: BuildOptions, config, spec, vp_stage:
         )
 
 
-def build_model_chunks(arch: ModelArch, opts: BuildOptions, *, trainable: bool = True) -> list:
+def build_model_chunks(
+    arch: ModelArch, opts: BuildOptions, *, trainable: bool = True, initialize: bool = True
+) -> list:
     """This pipeline rank's GPTModel chunks (one per virtual stage), on the compute device.
 
-    Parameters are randomly initialised here; load weights with `weights.load_hf_weights`.
-    `trainable=False` freezes every parameter (the reference model).
+    `initialize=True` initialises the parameters randomly (a model made from scratch).
+    `initialize=False` is for a model whose weights are loaded next (`weights.load_hf_weights`,
+    `checkpoint.load_checkpoint`): no init kernels run and, on CPU, no full weight is initialised
+    before slicing; the parameters are uninitialised memory until the load fills every one (both
+    loads fail naming any parameter they did not fill). `trainable=False` freezes every
+    parameter (the reference model).
     """
-    config, impl = transformer_config(arch, opts)
+    config, impl = transformer_config(arch, opts, initialize=initialize)
     spec = layer_spec(arch, impl)
     num_chunks = num_virtual_stages(arch, opts)
     device = compute_device()

@@ -58,9 +58,13 @@ class MegatronModel:
         trainable: bool = True,
         optim: OptimConfig | None = None,
     ) -> MegatronModel:
-        """Build and load a model; a trainable one is DDP-wrapped and gets an optimizer."""
+        """Build and load a model; a trainable one is DDP-wrapped and gets an optimizer.
+
+        The model is built without random initialisation (the load fills every parameter, or
+        fails naming the ones it could not), and each TP rank reads about its own shard only.
+        """
         arch = arch_from_hf_config(load_hf_config(model_path))
-        chunks = build_model_chunks(arch, opts, trainable=trainable)
+        chunks = build_model_chunks(arch, opts, trainable=trainable, initialize=False)
         load_hf_weights(chunks, arch, model_path, impl=resolve_transformer_impl(opts.transformer_impl))
         model = cls(chunks, arch, opts, trainable=trainable)
         if trainable:

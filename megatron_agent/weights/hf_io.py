@@ -1,7 +1,8 @@
 """Streaming reads of HF safetensors checkpoints, one tensor at a time.
 
 Follows `model.safetensors.index.json` when the checkpoint is sharded. Tensors are read through
-safetensors' memory map, so only the tensor asked for is brought into memory.
+safetensors' memory map, so only the tensor asked for is brought into memory; `get_slice` reads
+part of one (a range of rows touches only those rows' pages of the file).
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ class HFCheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor (raises KeyError naming it when absent)."""
+        return self._handle(name).get_tensor(name)
+
+    def get_slice(self, name: str):
+        """safetensors' lazy slice of one tensor: `.get_shape()`, `[a:b]`, `[:, a:b]` read only that part."""
+        return self._handle(name).get_slice(name)
+
+    def _handle(self, name: str):
         if name not in self._name_to_file:
             raise KeyError(f"tensor {name!r} not found in {self.path}")
         file = self._name_to_file[name]
@@ -57,7 +65,7 @@ class HFCheckpointReader:
             from safetensors import safe_open
 
             self._handles[file] = self._stack.enter_context(safe_open(str(self.path / file), framework="pt"))
-        return self._handles[file].get_tensor(name)
+        return self._handles[file]
 
     def close(self) -> None:
         """Close the open files."""

@@ -1,0 +1,195 @@
+"""How bucket bytes reach the engine: in-process memory, shared memory, CUDA IPC, NCCL.
+
+Sender side, a `BucketBuffer` owns the bytes of one bucket and describes them to the engine with
+a small picklable *payload* dict; the bucket's tensors are never pickled:
+
+- `direct`:   an in-process uint8 tensor, handed over as the object itself (LocalEndpoint).
+- `shm`:      a file in /dev/shm, mapped by both sides; the engine reads it in place.
+- `cuda_ipc`: a CUDA allocation whose IPC handle the engine's workers open (same GPU host).
+- `nccl`:     a CUDA buffer broadcast from the sender to the engine's workers (`sync.nccl`).
+
+Engine side, `open_bucket` turns a payload back into a uint8 tensor (zero-copy except NCCL,
+which receives into a fresh device buffer). Shared-memory maps stay open only until the sync
+finishes (`release_buckets`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import socket
+import tempfile
+
+import torch
+
+from megatron_agent.sync.buckets import SyncError
+
+TRANSPORTS = ("direct", "shm", "cuda_ipc", "nccl")
+_counter = itertools.count()
+
+
+def host_id() -> str:
+    """This machine's identity for 'same host' checks (hostname and boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def shm_dir() -> str:
+    """Folder for shared-memory bucket files (/dev/shm where it exists)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def choose_transport(requested: str, *, local: bool, engine_info: dict) -> str:
+    """The transport for one endpoint: `requested` checked, or chosen when 'auto'.
+
+    `local`: the engine lives in this process; `engine_info`: the receiver's `info()` (host,
+    device). Raises ValueError naming the setting when the transport cannot work.
+    """
+    same_host = engine_info.get("host") == host_id()
+    engine_cuda = engine_info.get("device") == "cuda"
+    cuda = torch.cuda.is_available()
+    if requested == "auto":
+        if local:
+            return "direct"
+        if same_host and not (cuda and engine_cuda):
+            return "shm"
+        if cuda and engine_cuda:
+            return "cuda_ipc" if same_host else "nccl"
+        raise ValueError(
+            f"no transport reaches the engine on {engine_info.get('host')} from {host_id()}: "
+            "shared memory needs the same host, NCCL needs CUDA on both sides"
+        )
+    if requested not in TRANSPORTS:
+        raise ValueError(f"sync.transport={requested!r}: choose auto, {', '.join(TRANSPORTS)}")
+    if requested == "direct" and not local:
+        raise ValueError("sync.transport=direct needs the engine in this process (a LocalEndpoint)")
+    if requested == "shm" and not (same_host or local):
+        raise ValueError("sync.transport=shm needs the engine on the same host; use nccl")
+    if requested in ("cuda_ipc", "nccl") and not (cuda and engine_cuda):
+        raise ValueError(f"sync.transport={requested} needs CUDA on the actor and the engine; use shm")
+    if requested == "cuda_ipc" and not (same_host or local):
+        raise ValueError("sync.transport=cuda_ipc needs the engine on the same host; use nccl")
+    return requested
+
+
+def buffer_device(transports: set[str]) -> str:
+    """'cpu' or 'cuda': where the sender's bucket buffers live for a set of endpoint transports."""
+    if transports & {"cuda_ipc", "nccl"}:
+        if "shm" in transports:
+            raise ValueError("mixing shm and CUDA transports across engines is not supported")
+        return "cuda"
+    if "direct" in transports and torch.cuda.is_available() and "shm" not in transports:
+        return "cuda"
+    return "cpu"
+
+
+class BucketBuffer:
+    """One bucket's bytes on the sender: CPU memory, a /dev/shm file, or CUDA memory."""
+
+    def __init__(self, nbytes: int, *, shared: bool, device: str):
+        self.nbytes = nbytes
+        self.path = None
+        self._mmap = None
+        if device == "cuda":
+            self.u8 = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
+        elif shared:
+            self.path = os.path.join(shm_dir(), f"megatron-agent-sync-{os.getpid()}-{next(_counter)}")
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+                self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+            finally:
+                os.close(fd)
+            self.u8 = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        else:
+            self.u8 = torch.empty(nbytes, dtype=torch.uint8)
+        self._ipc = None
+
+    def payload(self, transport: str, nbytes: int) -> dict:
+        """What the engine needs to find this buffer's first `nbytes` (never the bytes themselves)."""
+        if transport == "direct":
+            return {"kind": "direct", "tensor": self.u8[:nbytes]}
+        if transport == "shm":
+            return {"kind": "shm", "path": self.path, "nbytes": self.nbytes}
+        if transport == "cuda_ipc":
+            if self._ipc is None:
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                self._ipc = reduce_tensor(self.u8)
+            return {"kind": "cuda_ipc", "handle": self._ipc, "nbytes": nbytes}
+        if transport == "nccl":
+            return {"kind": "nccl", "nbytes": nbytes}
+        raise AssertionError(transport)
+
+    def close(self) -> None:
+        """Free the bytes (unlink the shared-memory file)."""
+        self.u8 = None
+        self._ipc = None
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map (and allocate) all pages at once: no page faults later
+
+# ---- engine side -----------------------------------------------------------------------------
+
+# Shared-memory maps opened by this engine process, by path; dropped at the end of each sync.
+_OPEN_MAPS: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+_MAX_OPEN_MAPS = 4
+
+
+def open_bucket(payload: dict, *, nccl_group=None) -> torch.Tensor:
+    """The bucket's bytes as a 1-D uint8 tensor on the engine side."""
+    kind = payload["kind"]
+    if kind == "direct":
+        return payload["tensor"]
+    if kind == "shm":
+        path = payload["path"]
+        if path not in _OPEN_MAPS:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError as e:
+                raise SyncError(f"shared-memory bucket {path} does not exist (sender gone?)") from e
+            try:
+                mm = mmap.mmap(fd, payload["nbytes"], flags=mmap.MAP_SHARED | _POPULATE)
+            finally:
+                os.close(fd)
+            _OPEN_MAPS[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+            while len(_OPEN_MAPS) > _MAX_OPEN_MAPS:  # the sender has at most two buckets in flight
+                _close(_OPEN_MAPS.pop(next(iter(_OPEN_MAPS))))
+        return _OPEN_MAPS[path][1]
+    if kind == "cuda_ipc":
+        rebuild, args = payload["handle"]
+        return rebuild(*args)[: payload["nbytes"]]
+    if kind == "nccl":
+        if nccl_group is None:
+            raise SyncError("an NCCL bucket arrived but this engine joined no NCCL weight-sync group")
+        return nccl_group.receive(payload)
+    raise SyncError(f"unknown bucket payload kind {kind!r}")
+
+
+def release_buckets() -> None:
+    """Close every shared-memory map this process opened (end of a sync)."""
+    while _OPEN_MAPS:
+        _close(_OPEN_MAPS.popitem()[1])
+
+
+def _close(entry: tuple[mmap.mmap, torch.Tensor]) -> None:
+    mm, u8 = entry
+    del u8, entry
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a view is still referenced somewhere; the map is freed with it

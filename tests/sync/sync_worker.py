@@ -1,0 +1,257 @@
+"""torchrun worker for the weight-sync tests (run by tests/sync/test_sync_layouts.py and test_sync_failures.py).
+
+`--mode layouts`: rank 0 starts one vLLM engine process per model; for every layout, the actor
+is built at that TP x PP (x VPP) over all ranks (the rest is data parallel), synced, trained,
+synced again three times; each sync's engine and actor log-probs of test sequences are recorded.
+Optionally (`--export`) the last layout's streamed tensors and a checkpoint are written for the
+export comparison.
+
+`--mode failures` (one rank): a skipped sync, dropped and corrupted buckets, a stopped engine
+and a killed engine; every error message is recorded.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from tests.helpers.mp_logprobs_worker import parse_layout, sequences
+
+
+class RecordingEngine:
+    """A rollout 'engine' that keeps a copy of every tensor it is given (for the export comparison)."""
+
+    def __init__(self):
+        self.weight_version = 0
+        self.tensors = {}
+
+    def update_weights(self, named_tensors):
+        for name, t in named_tensors:
+            assert name not in self.tensors, f"{name} streamed twice"
+            self.tensors[name] = t.clone()
+        self.weight_version += 1
+        return self.weight_version
+
+
+class DropBucket:
+    """Forwards to an endpoint but loses bucket `index` (and, with `hide`, its manifest entry)."""
+
+    local = False
+
+    def __init__(self, inner, index, hide):
+        self.inner, self.index, self.hide = inner, index, hide
+
+    def call(self, method, *args, **kwargs):
+        from megatron_agent.sync.endpoints import EngineCall, _done
+
+        if method == "load_bucket" and args[0].index == self.index:
+            return EngineCall(_done({"checksum_s": 0.0, "load_s": 0.0}), lambda: "dropper", method)
+        if method == "finish" and self.hide:
+            sync_id, manifest = args
+            manifest = {k: v for k, v in manifest.items() if k[1] != self.index}
+            return self.inner.call(method, sync_id, manifest)
+        return self.inner.call(method, *args, **kwargs)
+
+
+class CorruptBucket:
+    """Forwards to an endpoint after flipping one byte of tensor `entry` in shared-memory bucket 0."""
+
+    local = False
+
+    def __init__(self, inner, entry):
+        self.inner, self.entry, self.corrupted = inner, entry, None
+
+    def call(self, method, *args, **kwargs):
+        if method == "load_bucket" and args[0].index == 0:
+            header, payload = args[0], args[1]
+            e = header.entries[self.entry]
+            with open(payload["path"], "r+b") as f:
+                f.seek(e.offset + e.nbytes // 2)
+                b = f.read(1)
+                f.seek(e.offset + e.nbytes // 2)
+                f.write(bytes([b[0] ^ 0x10]))
+            self.corrupted = e.name
+        return self.inner.call(method, *args, **kwargs)
+
+
+def engine_kwargs(cache_dir):
+    return {"dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "seed": 0, "cache_dir": cache_dir}
+
+
+def train(model, steps=2, seed=0):
+    """A few optimizer steps of next-token NLL on random sequences (weights change visibly)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, 330, (n,), generator=g).tolist() for n in (20, 12, 30)]
+
+    def loss_fn(mb, logp_BT, entropy_BT):
+        mask = mb.valid_BT
+        return -(torch.where(mask > 0, logp_BT, 0.0)).sum() / 59.0, {}
+
+    for _ in range(steps):
+        model.train_step(seqs, loss_fn, max_tokens=64)
+
+
+def start_engines(models, cache_dir):
+    """Rank 0: one engine process per model, started together; everyone gets their handles."""
+    from megatron_agent.sync import SubprocessEndpoint
+
+    owned = {}
+    if dist.get_rank() == 0:
+        env = {"OMP_NUM_THREADS": "1"}
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(len(models)) as pool:
+            futs = {
+                m: pool.submit(
+                    SubprocessEndpoint, m, engine_kwargs(cache_dir), env=env, name=os.path.basename(m)
+                )
+                for m in models
+            }
+            owned = {m: f.result() for m, f in futs.items()}
+    box = [{m: ep.handle for m, ep in owned.items()}]
+    dist.broadcast_object_list(box, src=0)
+    return owned, box[0]
+
+
+def run_layouts(args):
+    from megatron.core import parallel_state as ps
+
+    from megatron_agent.config import SyncConfig
+    from megatron_agent.models.build import BuildOptions
+    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
+    from megatron_agent.platform.setup import init_distributed
+    from megatron_agent.sync import SubprocessEndpoint, WeightSender
+
+    init_distributed()
+    pairs = [x.split("=") for x in args.layouts]  # layout=model_path
+    owned, handles = start_engines(sorted({m for _, m in pairs}), args.cache)
+    clients = {}
+    results = {}
+    test_seqs = sequences()
+    for layout, model_path in pairs:
+        tp, pp, vpp = parse_layout(layout)
+        init_model_parallel(tp, pp, vpp)
+        model = MegatronModel.from_hf(
+            model_path, BuildOptions(tp=tp, pp=pp, vpp=vpp), trainable=True, optim=OptimConfig(lr=2e-3)
+        )
+        sender_rank = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+        if sender_rank and model_path not in clients:
+            clients[model_path] = owned.get(model_path) or SubprocessEndpoint.connect(handles[model_path])
+        endpoints = [clients[model_path]] if sender_rank else []
+        sender = WeightSender(model, SyncConfig(bucket_mb=1, timeout_s=120), endpoints)
+        if layout in args.small_buckets:
+            sender.bucket_bytes = 64 << 10  # smaller than a gate/up unit: oversize buckets travel alone
+        record = {"metrics": [], "engine": [], "actor": []}
+        for k in range(4):
+            if k:
+                train(model, seed=k)
+            record["metrics"].append(sender.sync())
+            actor = model.logprobs(test_seqs, max_tokens=128)
+            engine = None
+            if sender.role.is_leader:
+                engine = endpoints[0].call("probe", test_seqs).result(60)
+            mine = {
+                "engine": engine,
+                "actor": [x.tolist() for x in actor] if sender.role.holds_probe else None,
+            }
+            got = [None] * dist.get_world_size()
+            dist.all_gather_object(got, mine)
+            record["engine"].append(next(g["engine"] for g in got if g["engine"] is not None))
+            record["actor"].append(next(g["actor"] for g in got if g["actor"] is not None))
+        if layout == args.export_layout:
+            export(model, model_path, sender, args.out_dir)
+        results[layout] = record
+        destroy_model_parallel()
+    for ep in owned.values():
+        ep.close()
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.out_dir, "layouts.json"), "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+
+
+def export(model, model_path, sender, out_dir):
+    """Stream once more into a recording engine per sending rank, and save a checkpoint of the same state."""
+    from safetensors.torch import save_file
+
+    from megatron_agent.checkpoint.model_io import save_checkpoint
+    from megatron_agent.sync import LocalEndpoint, WeightReceiver, WeightSender
+
+    recorder = RecordingEngine()
+    endpoints = [LocalEndpoint(WeightReceiver(recorder))] if sender.role.is_sender else []
+    cfg = dataclasses.replace(sender.cfg, verify=False)
+    rec_sender = WeightSender(model, cfg, endpoints)
+    rec_sender.bucket_bytes = sender.bucket_bytes
+    rec_sender.sync()
+    if sender.role.is_sender:
+        save_file(recorder.tensors, os.path.join(out_dir, f"streamed_rank{dist.get_rank()}.safetensors"))
+    save_checkpoint(os.path.join(out_dir, "ckpt"), model.chunks, model.arch, hf_dir=model_path)
+
+
+def run_failures(args):
+    from megatron_agent.config import SyncConfig
+    from megatron_agent.models.build import BuildOptions
+    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.platform.parallel import init_model_parallel
+    from megatron_agent.sync import SubprocessEndpoint, SyncError, WeightSender
+
+    init_model_parallel(1, 1)
+    ep = SubprocessEndpoint(
+        args.model, engine_kwargs(args.cache), env={"OMP_NUM_THREADS": "1"}, name="victim"
+    )
+    model = MegatronModel.from_hf(args.model, BuildOptions(), trainable=True, optim=OptimConfig(lr=2e-3))
+    cfg = SyncConfig(bucket_mb=1, timeout_s=60)
+    out = {"pid": ep.pid}
+
+    def attempt(key, endpoints, action="sync", timeout_s=None):
+        sender = WeightSender(
+            model, dataclasses.replace(cfg, timeout_s=timeout_s or cfg.timeout_s), endpoints
+        )
+        sender.num_syncs = 100 * len(out)  # distinct sync ids per attempt, as one long-lived sender has
+        t0 = time.perf_counter()
+        try:
+            out[key] = {"ok": getattr(sender, action)()}
+        except SyncError as e:
+            out[key] = {"error": str(e)}
+        out[key]["seconds"] = time.perf_counter() - t0
+
+    attempt("first", [ep])
+    train(model, seed=1)
+    attempt("skipped", [ep], action="probe")
+    attempt("dropped", [DropBucket(ep, 1, hide=False)])
+    attempt("dropped_hidden", [DropBucket(ep, 1, hide=True)])
+    corrupt = CorruptBucket(ep, entry=1)
+    attempt("corrupted", [corrupt])
+    out["corrupted"]["tensor"] = corrupt.corrupted
+    attempt("recovered", [ep])
+    os.kill(ep.pid, signal.SIGSTOP)
+    train(model, seed=2)
+    attempt("stopped", [ep], timeout_s=3)
+    os.kill(ep.pid, signal.SIGKILL)
+    attempt("killed", [ep], timeout_s=30)
+    ep.close()
+    with open(os.path.join(args.out_dir, "failures.json"), "w") as f:
+        json.dump(out, f)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["layouts", "failures"], required=True)
+    p.add_argument("--layouts", nargs="*", default=[], help="LAYOUT=MODEL_DIR ...")
+    p.add_argument("--small-buckets", nargs="*", default=[])
+    p.add_argument("--export-layout", default="")
+    p.add_argument("--model", default="")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--cache", required=True)
+    args = p.parse_args()
+    (run_layouts if args.mode == "layouts" else run_failures)(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,5 @@
-"""The run's PNG plot: reward and accuracy, KL, entropy, response length, tool calls, step time.
+"""The run's PNG plot: reward and accuracy, KL, entropy, loss, response length, tool calls,
+rollout-vs-trainer mismatch and step time, over steps.
 
 Drawn headless (matplotlib's Agg canvas on a `Figure`, no pyplot state) and written atomically
 (a temporary file renamed over the old PNG), so a viewer never reads half a file. `BackgroundPlotter`
@@ -29,11 +30,12 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
         "nats per token",
         (
             ("actor/kl_loss", "to reference (loss)"),
-            ("critic/kl", "to reference (in reward)"),
+            ("critic/kl", "to reference (mean old - ref)"),
             ("actor/ppo_kl", "PPO: old vs new"),
         ),
     ),
     ("entropy", "nats per token", (("actor/entropy", "entropy"),)),
+    ("loss", "", (("actor/pg_loss", "policy loss"), ("sft/loss", "SFT loss (NLL)"))),
     (
         "response length",
         "tokens",
@@ -41,11 +43,19 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ),
     ("tool calls", "per step", (("tool/calls", "calls"), ("tool/errors", "errors"))),
     (
+        "rollout vs trainer log-prob",
+        "|old - rollout|",
+        (("mismatch/mean_abs_diff", "mean"), ("mismatch/max_abs_diff", "max")),
+    ),
+    (
         "time per step",
         "seconds",
         (("timing_s/step", "step"), ("timing_s/gen", "generation"), ("timing_s/update_actor", "update")),
     ),
 )
+
+LOG_SCALE_PANELS = ("rollout vs trainer log-prob",)
+"""Panels drawn on a log y-axis when all their values are positive (they span decades)."""
 
 _MARKER_MAX_POINTS = 40
 """Series with at most this many points get markers (sparse ones such as val/* stay visible)."""
@@ -63,16 +73,22 @@ def plot_metrics(rows: Sequence[Mapping[str, float]], path: str | Path, title: s
 
     path = Path(path)
     # Fixed margins: constrained layout would double the drawing time.
-    fig = Figure(figsize=(14, 7.5), dpi=100)
-    fig.subplots_adjust(left=0.06, right=0.985, bottom=0.075, top=0.9, wspace=0.22, hspace=0.22)
+    fig = Figure(figsize=(18, 8), dpi=100)
+    fig.subplots_adjust(left=0.045, right=0.99, bottom=0.07, top=0.9, wspace=0.2, hspace=0.22)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 3, sharex=True).ravel()
+    axes = fig.subplots(2, 4, sharex=True).ravel()
     last_step = rows[-1]["step"] if rows else None
-    fig.suptitle(f"{title}  (step {last_step})" if title else f"step {last_step}", fontsize=13)
+    first_step = rows[0]["step"] if rows else 0
+    heading = f"{title}  (step {last_step})" if title else f"step {last_step}"
+    if first_step < 0:
+        heading += "    shaded: SFT steps (logged as -N..-1)"
+    fig.suptitle(heading, fontsize=13)
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax, (panel_title, ylabel, series) in zip(axes, PANELS):
         _draw_panel(ax, rows, panel_title, ylabel, series)
-    for ax in axes[3:]:
+        if first_step < 0:
+            ax.axvspan(first_step - 0.5, -0.5, color="gray", alpha=0.12, linewidth=0)
+    for ax in axes[4:]:
         ax.set_xlabel("step")
     tmp = path.with_name(path.name + ".tmp")
     fig.savefig(tmp, format="png")
@@ -86,7 +102,7 @@ def _draw_panel(ax, rows, panel_title: str, ylabel: str, series) -> None:
         ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     bad_steps: set[int] = set()
-    drawn = 0
+    drawn, positive = 0, True
     for key, label in series:
         points = [(r["step"], r[key]) for r in rows if key in r]
         if not points:
@@ -94,6 +110,7 @@ def _draw_panel(ax, rows, panel_title: str, ylabel: str, series) -> None:
         steps = [s for s, _ in points]
         values = [v if math.isfinite(v) else math.nan for _, v in points]
         bad_steps.update(s for s, v in points if not math.isfinite(v))
+        positive = positive and all(v > 0 for v in values if not math.isnan(v))
         marker = "o" if len(points) <= _MARKER_MAX_POINTS else None
         last = next((v for v in reversed(values) if not math.isnan(v)), math.nan)
         ax.plot(steps, values, marker=marker, markersize=3.5, linewidth=1.6, label=f"{label} ({last:.3g})")
@@ -105,6 +122,8 @@ def _draw_panel(ax, rows, panel_title: str, ylabel: str, series) -> None:
     if drawn == 0:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
         return
+    if panel_title in LOG_SCALE_PANELS and positive:
+        ax.set_yscale("log")
     ax.legend(fontsize=8, loc="best", framealpha=0.8)
 
 

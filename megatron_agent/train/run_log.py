@@ -41,6 +41,7 @@ TENSORBOARD_DIR = "tensorboard"
 # a row fills the cell; none found leaves it blank (e.g. val_acc on steps without validation).
 TABLE_COLUMNS: tuple[tuple[str, int, str, tuple[str, ...]], ...] = (
     ("step", 6, "d", ("step",)),
+    ("loss", 8, ".4f", ("actor/pg_loss", "sft/loss")),
     ("reward", 7, ".3f", ("critic/score/mean",)),
     ("val_acc", 7, ".3f", ("val/accuracy",)),
     ("kl", 9, ".2e", ("actor/kl_loss", "critic/kl")),
@@ -52,7 +53,8 @@ TABLE_COLUMNS: tuple[tuple[str, int, str, tuple[str, ...]], ...] = (
     ("mismatch", 9, ".2e", ("mismatch/mean_abs_diff",)),
     ("step_s", 7, ".1f", ("timing_s/step",)),
 )
-"""kl: KL to the reference (as a loss, else in the reward); mismatch: mean |old - rollout| log-prob."""
+"""loss: the policy loss (RL) or the NLL (SFT steps); kl: KL to the reference (as a loss, else the
+mean log-ratio old - ref); mismatch: mean |old - rollout| log-prob over loss tokens."""
 
 
 def to_json_value(value: float) -> float | str:
@@ -76,7 +78,10 @@ def _to_float(key: str, value: Any) -> float:
 
 
 def _clean_row(step: Any, metrics: Mapping[str, Any]) -> dict[str, float]:
-    """{"step": int, **float metrics}; errors name a bad step, key or value."""
+    """{"step": int, **float metrics}; errors name a bad step, key or value.
+
+    A "step" key in `metrics` is accepted when it equals `step`.
+    """
     try:
         row: dict[str, Any] = {"step": operator.index(step)}
     except TypeError:
@@ -85,7 +90,11 @@ def _clean_row(step: Any, metrics: Mapping[str, Any]) -> dict[str, float]:
         if not isinstance(key, str) or not key:
             raise ValueError(f"metric names must be non-empty strings, got {key!r}")
         if key == "step":
-            raise ValueError("'step' is a reserved metric name; pass the step as log(step, metrics)")
+            if value != row["step"]:
+                raise ValueError(
+                    f"metrics hold 'step': {value!r} but the row is logged as step {row['step']}"
+                )
+            continue
         row[key] = _to_float(key, value)
     return row
 
@@ -126,7 +135,7 @@ def format_row(row: Mapping[str, float]) -> str:
         else:
             text = format(row[key], fmt)
         cells.append(f"{text:>{width}}")
-    return "  ".join(cells)
+    return "  ".join(cells).rstrip()
 
 
 class RunLogger:
@@ -191,7 +200,9 @@ class RunLogger:
         if self.cfg.tensorboard:
             self._tensorboard_log(row)
         if self._wandb_run is not None:
-            self._wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+            self._wandb_run.log(
+                row
+            )  # charts use our "step" (see _start_wandb), wandb's own _step counts rows
         if self._plotter is not None:
             self._plotter.submit(list(self.history))
         return row
@@ -243,7 +254,11 @@ class RunLogger:
         if self._tb is not None:
             self._tb.close()
         if self._wandb_run is not None:
+            import wandb
+
             self._wandb_run.finish()
+            # finish() can return before wandb's service has written the run file; teardown waits.
+            wandb.teardown()
         if self._plotter is not None:
             self._plotter.close()
 
@@ -313,13 +328,18 @@ def _start_wandb(project: str, run_dir: Path, config: Mapping[str, Any]):
             f"install it with `pip install wandb` or set logging.wandb_project=''"
         ) from e
     # console="off": wandb would otherwise wrap stdout, where the table is printed.
-    return wandb.init(
+    run = wandb.init(
         project=project,
         name=run_dir.name,
         dir=str(run_dir),
         config=dict(config),
         settings=wandb.Settings(console="off"),
     )
+    # wandb drops rows whose own step is negative (SFT steps are logged as -N..-1) or not above the
+    # last one; plotting every metric over our "step" avoids both.
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    return run
 
 
 class _NoBar:

@@ -50,6 +50,8 @@ def build_toolset(cfg: Config, names: list[str] | None = None) -> ToolSet:
             search_index_dir=cfg.tools.search_index_dir,
             search_top_k=cfg.tools.search_top_k,
             python_memory_mb=cfg.tools.python.memory_mb,
+            python_sandbox=cfg.tools.python.sandbox,
+            python_max_processes=cfg.tools.python.max_processes,
         )
         for name in (cfg.tools.enabled if names is None else names)
     ]

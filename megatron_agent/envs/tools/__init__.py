@@ -10,10 +10,17 @@ BUILTIN_TOOLS = ("calculator", "search", "python")
 
 
 def make_tool(
-    spec: str, *, search_index_dir: str = "", search_top_k: int = 3, python_memory_mb: int = 512
+    spec: str,
+    *,
+    search_index_dir: str = "",
+    search_top_k: int = 3,
+    python_memory_mb: int = 512,
+    python_sandbox: str = "auto",
+    python_max_processes: int = 16,
 ) -> Tool:
     """A tool from a built-in name or a dotted path to a `Tool` subclass (built with no arguments),
-    a `Tool` instance, or a zero-argument factory returning one."""
+    a `Tool` instance, or a zero-argument factory returning one. `python_*`: the python tool's
+    sandbox mode (auto, strict, off), address-space limit in MiB and process limit."""
     if spec == "calculator":
         return Calculator()
     if spec == "search":
@@ -27,7 +34,7 @@ def make_tool(
     if spec == "python":
         from megatron_agent.envs.tools.python import Python
 
-        return Python(memory_mb=python_memory_mb)
+        return Python(memory_mb=python_memory_mb, sandbox=python_sandbox, max_processes=python_max_processes)
     if "." not in spec and ":" not in spec:
         raise ValueError(f"unknown tool {spec!r}: use one of {BUILTIN_TOOLS} or a dotted path to a Tool")
     obj = load_object(spec)
@@ -42,4 +49,30 @@ def make_tool(
     return tool
 
 
-__all__ = ["BUILTIN_TOOLS", "Calculator", "Tool", "ToolResult", "ToolSet", "make_tool", "validate_arguments"]
+def sandbox_metrics(tools: ToolSet) -> dict[str, float]:
+    """`tool/unsandboxed`: snippets run without a sandbox since the previous call (python tool in
+    `auto` without bubblewrap, or `off`); `tool/sandboxed`: 1.0 when every sandboxing tool is
+    sandboxed. Empty when no tool of the set runs untrusted code. Add it to the step's metrics."""
+    counting = [t for t in tools.tools.values() if hasattr(t, "num_unsandboxed_calls")]
+    if not counting:
+        return {}
+    unsandboxed = 0
+    for tool in counting:
+        unsandboxed += tool.num_unsandboxed_calls - getattr(tool, "_reported_unsandboxed", 0)
+        tool._reported_unsandboxed = tool.num_unsandboxed_calls
+    return {
+        "tool/unsandboxed": float(unsandboxed),
+        "tool/sandboxed": float(all(getattr(t, "sandboxed", False) for t in counting)),
+    }
+
+
+__all__ = [
+    "BUILTIN_TOOLS",
+    "Calculator",
+    "Tool",
+    "ToolResult",
+    "ToolSet",
+    "make_tool",
+    "sandbox_metrics",
+    "validate_arguments",
+]

@@ -10,6 +10,16 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.installed
+# bubblewrap sandboxes the python tool (docs/sandbox.md): installed when we are root with apt-get;
+# otherwise say so and go on (tools.python.sandbox=auto then runs snippets with limits only).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } >/dev/null 2>&1 \
+      || echo "warning: could not install bubblewrap; the python tool will run unsandboxed" >&2
+  else
+    echo "note: bubblewrap (bwrap) is missing; install it (e.g. sudo apt-get install bubblewrap) to sandbox the python tool" >&2
+  fi
+fi
 want=$(cat requirements/cpu.txt requirements/test.txt setup.py scripts/install.sh | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0

@@ -8,6 +8,8 @@ import sys
 # command -> module with a `main(argv: list[str]) -> int` function. Imported lazily so that
 # `--help` and light commands do not pay for torch, megatron or vllm imports.
 COMMANDS = {
+    "train": ("megatron_agent.commands.train", "RL training (GRPO, REINFORCE++, RLOO, ...) on Ray"),
+    "sft": ("megatron_agent.commands.sft", "supervised warm start on chat data with tool calls"),
     "score": ("megatron_agent.commands.score", "per-token log-probs of token ids with Megatron"),
     "rollout": ("megatron_agent.commands.rollout", "run the agent loop on a dataset and dump rollouts"),
 }

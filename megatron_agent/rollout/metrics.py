@@ -14,7 +14,7 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     """Reward, length, turn and tool statistics of a batch of trajectories.
 
     Keys: critic/score/mean|max|min, response_length/mean|max|clip_ratio (share ended by a token
-    budget), turns/mean, tool/calls, tool/errors, tool/timeouts, tool/truncated,
+    budget), turns/mean, num_turns/mean|max|min, tool/calls, tool/errors, tool/timeouts, tool/truncated,
     tool/status/<status>, tokens/<source>, finish/<reason>, rollout/num_trajectories.
     """
     num = len(trajectories)
@@ -31,7 +31,11 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     metrics["response_length/max"] = float(max(lengths))
     clipped = sum(t.finish_reason in ("length", "max_tokens") for t in trajectories)
     metrics["response_length/clip_ratio"] = clipped / num
-    metrics["turns/mean"] = sum(t.num_turns for t in trajectories) / num
+    turns = [t.num_turns for t in trajectories]
+    metrics["turns/mean"] = sum(turns) / num
+    metrics["num_turns/mean"] = sum(turns) / num
+    metrics["num_turns/max"] = float(max(turns))
+    metrics["num_turns/min"] = float(min(turns))
     statuses = Counter(c.status for t in trajectories for c in t.tool_calls if c.status != "not_run")
     metrics["tool/calls"] = float(sum(statuses.values()))
     metrics["tool/errors"] = float(sum(statuses[s] for s in TOOL_ERROR_STATUSES))

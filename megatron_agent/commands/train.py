@@ -1,0 +1,96 @@
+"""`python -m megatron_agent train --config FILE key=value ...`: RL training of a tool-calling agent.
+
+Starts (or joins, `ray.address`) a Ray cluster, the Megatron world (actor + reference) and the
+rollout engines; runs SFT first when `sft.steps > 0` and no `trainer.init_from` is given; syncs
+the actor's weights into the engines; validates; then runs `trainer.total_steps` RL steps
+(`train/rl_loop.py`), validating every `trainer.test_freq` steps and after the last one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def parse_args(prog: str, argv: list[str], doc: str) -> argparse.Namespace:
+    """--config FILE plus key=value overrides."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    parser.add_argument("--config", default=None, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=5")
+    return parser.parse_args(argv)
+
+
+def load(prog: str, argv: list[str], doc: str):
+    """(config, None) or (None, exit status) after printing the error."""
+    from megatron_agent.config import ConfigError, load_config
+
+    args = parse_args(prog, argv, doc)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("ray", "vllm", "transformers", "urllib3", "filelock"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        return load_config(args.config, args.overrides), None
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None, 2
+
+
+def make_trainer(cfg):
+    """(Trainer, None), or (None, 2) after printing a config or data error."""
+    from megatron_agent.config import ConfigError
+    from megatron_agent.train.trainer import Trainer
+
+    try:
+        return Trainer(cfg), None
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None, 2
+
+
+def main(argv: list[str]) -> int:
+    """Run the train command; returns the exit status."""
+    cfg, status = load("python -m megatron_agent train", argv, __doc__)
+    if cfg is None:
+        return status
+    trainer, status = make_trainer(cfg)
+    if trainer is None:
+        return status
+    from megatron_agent.config import config_to_dict
+    from megatron_agent.platform.versions import check_versions
+    from megatron_agent.train.cluster import WorkerError
+    from megatron_agent.train.rl_loop import rl_step, validate
+    from megatron_agent.train.run_log import RunLogger
+    from megatron_agent.train.sft_run import run_sft
+
+    log = logging.getLogger("megatron_agent.train")
+    for problem in check_versions():
+        log.warning("%s", problem)
+    run_log = RunLogger(trainer.run_dir, cfg.logging, config_dict=config_to_dict(cfg))
+    t = cfg.trainer
+    try:
+        trainer.start()
+        if cfg.sft.steps > 0 and not t.init_from:
+            ckpt = run_sft(trainer, run_log, trainer.run_dir / "sft" / "checkpoint")
+            log.info("SFT checkpoint: %s", ckpt)
+            trainer.actors.call("restart_from", str(ckpt))
+            trainer.actors.call("connect_engines", trainer.engines.workers)
+        num_mini = cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
+        trainer.make_update(t.total_steps * cfg.actor.ppo_epochs * num_mini)
+        first = trainer.sync()
+        run_log.log(0, {**first, **validate(trainer)})
+        for step in range(1, t.total_steps + 1):
+            metrics = rl_step(trainer, step)
+            if step == t.total_steps or (t.test_freq and step % t.test_freq == 0):
+                metrics.update(validate(trainer))
+            run_log.log(step, metrics)
+        final = trainer.run_dir / "checkpoints" / f"step_{t.total_steps:06d}"
+        trainer.actors.call("save_checkpoint", str(final), trainer.model_path, {"step": t.total_steps})
+        print(f"checkpoint: {final}\nmetrics: {run_log.metrics_path}\nplot: {run_log.plot_path}")
+        return 0
+    except WorkerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        run_log.close()
+        trainer.close()

@@ -1,0 +1,231 @@
+"""What one Megatron rank computes for the RL step: log-probs, and the PPO update with the guard.
+
+Everything here runs inside a worker on every rank of the Megatron world at the same time (the
+pipeline schedule and the collectives need all of them). Each data-parallel replica takes its
+share of the sequences (`batch.dp_shard`); losses are normalised by counts all-reduced over the
+data-parallel group, so the gradient does not depend on the split. Metrics come back as sums
+(with their token counts) from the last pipeline stage, for the driver to combine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_agent.rl import GuardBatch, StepGuard, agg_loss, compute_kl_loss, compute_policy_loss
+from megatron_agent.rl.aggregate import global_batch_counts
+from megatron_agent.train.batch import RLBatch, dp_shard
+from megatron_agent.train.forward_backward import forward_backward, gather_per_sequence, make_micro_batches
+
+
+@dataclass
+class ParallelInfo:
+    """Where this rank sits in the Megatron world."""
+
+    rank: int
+    dp_rank: int
+    dp_size: int
+    is_last_stage: bool
+    tp_rank: int
+
+    @property
+    def reports(self) -> bool:
+        """True on the one rank per data-parallel replica that returns results (last stage, TP 0)."""
+        return self.is_last_stage and self.tp_rank == 0
+
+
+def parallel_info() -> ParallelInfo:
+    """This rank's `ParallelInfo` from Megatron's parallel state."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    return ParallelInfo(
+        rank=dist.get_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+    )
+
+
+@torch.no_grad()
+def shard_logprobs(
+    model, sequences: list[list[int]], *, micro_batch_tokens: int, with_entropy: bool
+) -> tuple[list[int], list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """Forward-only log-probs (and entropy) of this DP rank's share of `sequences`.
+
+    Returns (indices of the share, log-probs [L-1] each, entropy [L-1] each or None); the
+    tensors only on the last pipeline stage (None elsewhere).
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_agent.platform.setup import device
+
+    info = parallel_info()
+    indices = dp_shard(list(range(len(sequences))), info.dp_rank, info.dp_size)
+    model.onload()
+    for chunk in model.chunks:
+        chunk.eval()
+    micro_batches = make_micro_batches(
+        [sequences[i] for i in indices], max_tokens=micro_batch_tokens, device=device()
+    )
+    outputs = forward_backward(
+        model.chunks,
+        micro_batches,
+        true_vocab_size=model.true_vocab_size,
+        forward_only=True,
+        with_entropy=with_entropy,
+    )
+    model.offload()
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return indices, None, None
+    logp = [t.cpu() for t in gather_per_sequence(outputs, "logprobs", len(indices))]
+    entropy = (
+        [t.cpu() for t in gather_per_sequence(outputs, "entropy", len(indices))] if with_entropy else None
+    )
+    return indices, logp, entropy
+
+
+class PPOUpdate:
+    """The actor's optimisation for RL steps: PPO epochs over mini-batches, the guard, the LR schedule."""
+
+    def __init__(self, model, algorithm, actor, guard: StepGuard, scheduler, *, horizon: int):
+        """`algorithm`/`actor`: the config sections; `horizon`: Dr.GRPO's constant length."""
+        self.model = model
+        self.algo = algorithm
+        self.actor = actor
+        self.guard = guard
+        self.scheduler = scheduler
+        self.horizon = algorithm.loss_agg_horizon or horizon
+        self.optimizer_steps = 0
+
+    def run(self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int, decode=None) -> dict:
+        """Every epoch over every mini-batch; returns metric sums (last stage, TP rank 0) or {}."""
+        totals: dict[str, float] = {}
+        for _ in range(self.actor.ppo_epochs):
+            for indices in mini_batch_indices:
+                for key, value in self._optimizer_step(batch, indices, step, decode).items():
+                    # guard/* are running totals kept by the guard: keep the latest value.
+                    last_wins = key.startswith("guard/") and key != "guard/skipped"
+                    totals[key] = value if last_wins else totals.get(key, 0.0) + value
+        return totals
+
+    def _optimizer_step(self, batch: RLBatch, indices: list[int], step: int, decode) -> dict:
+        from megatron.core import parallel_state as ps
+
+        from megatron_agent.platform.setup import device
+
+        info = parallel_info()
+        mine = dp_shard(indices, info.dp_rank, info.dp_size)
+        sub = batch.select(mine)
+        keys = [
+            k
+            for k in ("loss_mask", "rollout_logp", "old_logp", "ref_logp", "advantages", "is_weights")
+            if k in sub.tensors
+        ]
+        micro_batches = make_micro_batches(
+            sub.sequences,
+            max_tokens=self.actor.micro_batch_tokens,
+            extras={k: sub.tensors[k] for k in keys},
+            device=device(),
+        )
+        counts = global_batch_counts(
+            [mb.extras["loss_mask"].bool() for mb in micro_batches], group=ps.get_data_parallel_group()
+        )
+        algo, sums = self.algo, {}
+        use_entropy = algo.entropy_coef != 0.0
+
+        def loss_fn(mb, logp_BT, entropy_BT):
+            mask = mb.extras["loss_mask"].bool() & mb.valid_BT
+            norm = dict(num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, horizon=self.horizon)
+            loss, m = compute_policy_loss(
+                logp_BT,
+                mb.extras["old_logp"],
+                mb.extras["advantages"],
+                mask,
+                clip_ratio_low=algo.clip_ratio_low,
+                clip_ratio_high=algo.clip_ratio_high,
+                clip_ratio_c=algo.clip_ratio_c,
+                log_ratio_clamp=algo.log_ratio_clamp,
+                loss_agg_mode=algo.loss_agg_mode,
+                rollout_is_weights=mb.extras.get("is_weights"),
+                loss_mode=algo.policy_loss_mode,
+                **norm,
+            )
+            num_local = mask.sum().float()
+            metrics = {
+                "actor/pg_loss": m["pg_loss"],
+                "n_tokens": num_local,
+                "actor/pg_clipfrac": m["pg_clipfrac"] * num_local,
+                "actor/ppo_kl": m["ppo_kl"] * num_local,
+            }
+            if algo.kl_loss_coef:
+                kl, _ = compute_kl_loss(
+                    logp_BT,
+                    mb.extras["ref_logp"],
+                    mask,
+                    estimator=algo.kl_loss_estimator,
+                    loss_agg_mode=algo.loss_agg_mode,
+                    **norm,
+                )
+                loss = loss + algo.kl_loss_coef * kl
+                metrics["actor/kl_loss"] = kl.detach()
+            if use_entropy:
+                loss = loss - algo.entropy_coef * agg_loss(entropy_BT, mask, algo.loss_agg_mode, **norm)
+            rollout = torch.where(mask, mb.extras["rollout_logp"], float("nan"))
+            self.guard.observe(
+                GuardBatch(
+                    logprob=logp_BT,
+                    old_logprob=mb.extras["old_logp"],
+                    advantages=mb.extras["advantages"],
+                    loss_mask=mask,
+                    rollout_logprob=rollout,
+                    ref_logprob=mb.extras.get("ref_logp"),
+                    token_ids=mb.targets_BT,
+                    sample_ids=[sub.uids[i] for i in mb.indices],
+                    decode=decode,
+                )
+            )
+            return loss, metrics
+
+        for chunk in self.model.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.model.optimizer.zero_grad()
+        outputs = forward_backward(
+            self.model.chunks,
+            micro_batches,
+            true_vocab_size=self.model.true_vocab_size,
+            loss_fn=loss_fn,
+            with_entropy=use_entropy,
+        )
+        losses = [out["loss"] for out in outputs if "loss" in out]
+        grads = [
+            p.main_grad
+            for c in self.model.chunks
+            for p in c.parameters()
+            if getattr(p, "main_grad", None) is not None
+        ]
+        decision = self.guard.check(self.optimizer_steps, loss=losses or None, grads=grads)
+        self.optimizer_steps += 1
+        grad_norm = float("nan")
+        if not decision.skip:
+            _, norm_value, _ = self.model.optimizer.step()
+            grad_norm = float(norm_value) if norm_value is not None else float("nan")
+            self.scheduler.step(1)
+        if info.reports:
+            for out in outputs:
+                for key, value in out.items():
+                    if key.startswith("actor/") or key == "n_tokens":
+                        sums[key] = sums.get(key, 0.0) + float(value)
+            sums["actor/grad_norm"] = grad_norm
+            sums["n_optimizer_steps"] = 1.0
+            sums["guard/skipped"] = float(decision.skip)
+            for key, value in decision.metrics.items():
+                sums[key] = float(value)
+        return sums
+
+    def current_lr(self) -> float:
+        """The learning rate of the next optimizer step."""
+        return float(self.model.optimizer.param_groups[0]["lr"])

@@ -1,0 +1,218 @@
+"""The Ray cluster and groups of worker actors: start or join, place, call, fail loudly.
+
+`start_ray` starts a local cluster sized to the machine (dashboard off) or joins an existing one
+(`ray.address=auto` or `HOST:PORT`, how multi-node runs under Slurm work). `WorkerGroup` creates
+N actors of one class inside a placement group, each writing its stdout/stderr to
+`<run_dir>/logs/<name>_<rank>.log`, and `call` runs one method on all of them: a worker that
+raises, dies or does not answer within the timeout becomes a `WorkerError` naming the worker,
+its rank and the last lines of its log, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, died or did not answer; the message names it and shows its log's tail."""
+
+
+def start_ray(address: str = "", num_cpus: int = 0) -> bool:
+    """Start a local Ray cluster (address '') or join one; returns True when started here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": {"PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        return False
+    ray.init(
+        num_cpus=num_cpus or os.cpu_count(),
+        include_dashboard=False,
+        runtime_env=env,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    return True
+
+
+def stop_ray() -> None:
+    """Shut down this process's connection (and a local cluster it started)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def redirect_output(log_path: str | os.PathLike) -> None:
+    """Send this process's stdout and stderr (file descriptors 1 and 2) to `log_path` (append)."""
+    path = Path(log_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    import faulthandler
+
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def log_tail(path: str | os.PathLike, num_lines: int = 20) -> str:
+    """The last `num_lines` lines of a log file ('' if it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-num_lines:])
+
+
+class WorkerGroup:
+    """N Ray actors of one class, placed in one placement group, called together."""
+
+    def __init__(
+        self,
+        actor_cls: type,
+        num_workers: int,
+        *,
+        name: str,
+        log_dir: str | os.PathLike,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        placement_group=None,
+        bundle_offset: int = 0,
+        init_args: Sequence[Any] = (),
+        timeout_s: float = 600.0,
+        env_vars: dict[str, str] | None = None,
+    ):
+        """Create the actors; actor i gets `(rank=i, num_workers, log_path, *init_args)`.
+
+        With `placement_group`, actor i goes into bundle `bundle_offset + i`.
+        """
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.name = name
+        self.timeout_s = timeout_s
+        self.log_paths = [Path(log_dir) / f"{name}_{rank}.log" for rank in range(num_workers)]
+        remote_cls = ray.remote(actor_cls)
+        self.workers = []
+        for rank in range(num_workers):
+            options: dict[str, Any] = dict(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                # One thread: megatron's CPU redirection (a TorchFunctionMode) and vLLM's
+                # OpenMP binding belong to the thread that set them up.
+                max_concurrency=1,
+                runtime_env={"env_vars": dict(env_vars or {})},
+            )
+            if placement_group is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group,
+                    placement_group_bundle_index=bundle_offset + rank,
+                )
+            self.workers.append(
+                remote_cls.options(**options).remote(rank, num_workers, str(self.log_paths[rank]), *init_args)
+            )
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def call(
+        self,
+        method: str,
+        *args,
+        timeout_s: float | None = None,
+        per_worker_args: Sequence[Sequence[Any]] | None = None,
+        ranks: Sequence[int] | None = None,
+        **kwargs,
+    ) -> list[Any]:
+        """`method(*args, **kwargs)` on every worker (or `ranks`); results in rank order.
+
+        `per_worker_args[i]` replaces `args` for the i-th called worker. Raises `WorkerError`
+        on the first failure, or when the call is not done within `timeout_s`.
+        """
+        ranks = list(range(len(self.workers))) if ranks is None else list(ranks)
+        refs = []
+        for i, rank in enumerate(ranks):
+            worker_args = per_worker_args[i] if per_worker_args is not None else args
+            refs.append(getattr(self.workers[rank], method).remote(*worker_args, **kwargs))
+        return self.wait(refs, ranks, method, timeout_s)
+
+    def wait(self, refs: list, ranks: Sequence[int], what: str, timeout_s: float | None = None) -> list[Any]:
+        """Results of `refs` (one per rank of `ranks`); the first failure raises `WorkerError`."""
+        import ray
+
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        rank_of = {ref: rank for ref, rank in zip(refs, ranks)}
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._error(
+                    [rank_of[r] for r in pending], f"did not finish {what}() within {timeout:.0f} s"
+                )
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 5.0))
+            for ref in ready:
+                try:
+                    results[rank_of[ref]] = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise self._error([rank_of[ref]], f"died during {what}(): {_short(exc)}") from None
+                except ray.exceptions.RayTaskError as exc:
+                    raise self._error([rank_of[ref]], f"raised in {what}(): {_short(exc)}") from None
+        return [results[rank] for rank in ranks]
+
+    def _error(self, ranks: list[int], what: str) -> WorkerError:
+        rank = ranks[0]
+        others = f" (and ranks {ranks[1:]})" if len(ranks) > 1 else ""
+        tail = log_tail(self.log_paths[rank])
+        log = f"\nlast lines of {self.log_paths[rank]}:\n{tail}" if tail else ""
+        return WorkerError(f"{self.name} worker rank {rank}{others} {what}{log}")
+
+    def kill(self) -> None:
+        """Kill every actor (no graceful exit)."""
+        import ray
+
+        for worker in self.workers:
+            try:
+                ray.kill(worker)
+            except Exception:  # already dead
+                pass
+
+
+def _short(exc: BaseException) -> str:
+    """The useful part of a Ray exception: the remote traceback's last lines."""
+    text = str(exc).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return "\n".join(lines[-12:])
+
+
+def make_placement_group(num_bundles: int, *, cpus: float, gpus: float, timeout_s: float = 120.0):
+    """A PACK placement group of `num_bundles` bundles; a clear error if it cannot be placed."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundle: dict[str, float] = {"CPU": cpus}
+    if gpus:
+        bundle["GPU"] = gpus
+    group = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        total = ray.cluster_resources()
+        raise WorkerError(
+            f"could not place {num_bundles} bundles of {bundle} within {timeout_s:.0f} s; the cluster "
+            f"has {total}. Lower parallel.tp/pp or the number of workers, or add nodes."
+        )
+    return group

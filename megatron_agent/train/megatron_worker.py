@@ -1,0 +1,236 @@
+"""One Megatron rank as a Ray actor: the actor (trainable) and the frozen reference, colocated.
+
+The driver creates `world = tp * pp * dp` of these (`cluster.WorkerGroup`), gives them one
+rendezvous address, and then calls the same method on all of them at once: the pipeline
+schedule and every collective need the whole world. Results come back from the ranks that
+`report` (the last pipeline stage's TP rank 0 of each data-parallel replica); other ranks
+return None.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from megatron_agent.config import Config, ConfigError, _apply_mapping
+
+
+def config_from_dict(data: dict) -> Config:
+    """A `Config` rebuilt from `config_to_dict` output (what the driver ships to workers)."""
+    cfg = Config()
+    _apply_mapping(cfg, data)
+    return cfg
+
+
+class MegatronWorker:
+    """A Megatron rank holding the actor and the reference model."""
+
+    def __init__(self, rank: int, world_size: int, log_path: str, cfg_dict: dict):
+        from megatron_agent.train.cluster import redirect_output
+
+        redirect_output(log_path)
+        self.rank, self.world_size = rank, world_size
+        self.cfg = config_from_dict(cfg_dict)
+        self.actor = self.ref = self.update = self.sender = None
+        self.info = None
+
+    def ping(self) -> int:
+        """Liveness check; returns the rank."""
+        return self.rank
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(host IP, a free port) for torch.distributed's rendezvous (asked of rank 0)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int, model_path: str, init_from: str = "") -> dict:
+        """Join the torch.distributed world, build actor and reference, the optimizer and the guard.
+
+        `init_from`: a checkpoint (e.g. from `sft`) whose weights replace model_path's, for both
+        the actor and the reference. Returns this rank's parallel info.
+        """
+        from megatron_agent.models.build import BuildOptions
+        from megatron_agent.models.policy import MegatronModel, OptimConfig
+        from megatron_agent.platform.parallel import init_model_parallel
+        from megatron_agent.platform.setup import has_cuda
+        from megatron_agent.train.actor_update import parallel_info
+
+        cfg = self.cfg
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",  # Ray gives each actor its own CUDA_VISIBLE_DEVICES
+        )
+        if not has_cuda():
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        p = cfg.parallel
+        init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.trainer.seed)
+        opts = BuildOptions(
+            tp=p.tp, pp=p.pp, vpp=p.vpp, dtype=cfg.model.dtype, transformer_impl=cfg.model.transformer_impl
+        )
+        a = cfg.actor
+        optim = OptimConfig(
+            lr=a.lr,
+            weight_decay=a.weight_decay,
+            grad_clip=a.grad_clip,
+            use_distributed_optimizer=a.use_distributed_optimizer,
+        )
+        self.model_path = model_path
+        self.actor = MegatronModel.from_hf(model_path, opts, trainable=True, optim=optim)
+        self.ref = MegatronModel.from_hf(model_path, opts, trainable=False)
+        if init_from:
+            self._load_weights(init_from)
+        if cfg.model.ref_offload:
+            self.ref.offload()
+        self.info = parallel_info()
+        return {
+            "rank": self.rank,
+            "dp_rank": self.info.dp_rank,
+            "dp_size": self.info.dp_size,
+            "reports": self.info.reports,
+        }
+
+    def _load_weights(self, ckpt_dir: str) -> None:
+        from megatron_agent.checkpoint.model_io import load_checkpoint
+
+        for model in (self.actor, self.ref):
+            load_checkpoint(ckpt_dir, model.chunks, model.arch)
+
+    # --------------------------------------------------------------------------------- RL
+    def make_update(self, total_optimizer_steps: int) -> None:
+        """Create the PPO update (guard, LR schedule) for a run of `total_optimizer_steps`."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_agent.rl import StepGuard
+        from megatron_agent.train.actor_update import PPOUpdate
+
+        cfg = self.cfg
+        a = cfg.actor
+        decay = {"constant": "constant", "linear": "linear", "cosine": "cosine"}.get(a.lr_decay)
+        if decay is None:
+            raise ConfigError(f"actor.lr_decay={a.lr_decay!r}: choose constant, linear or cosine")
+        scheduler = OptimizerParamScheduler(
+            self.actor.optimizer,
+            init_lr=0.0 if a.lr_warmup_steps else a.lr,
+            max_lr=a.lr,
+            min_lr=a.min_lr if decay != "constant" else a.lr,
+            lr_warmup_steps=a.lr_warmup_steps,
+            lr_decay_steps=max(total_optimizer_steps, a.lr_warmup_steps + 1),
+            lr_decay_style=decay,
+            start_wd=a.weight_decay,
+            end_wd=a.weight_decay,
+            wd_incr_steps=max(total_optimizer_steps, 1),
+            wd_incr_style="constant",
+        )
+        guard = StepGuard.from_config(cfg.algorithm, cfg.trainer.run_dir)
+        guard.console = self.rank == 0
+        self.update = PPOUpdate(
+            self.actor, cfg.algorithm, a, guard, scheduler, horizon=cfg.rollout.max_total_tokens
+        )
+
+    def logprobs(self, sequences: list[list[int]], with_ref: bool = True) -> dict | None:
+        """Old (actor) and reference log-probs of this replica's share, plus entropy and timings."""
+        import time
+
+        from megatron_agent.train.actor_update import shard_logprobs
+
+        tokens = self.cfg.actor.micro_batch_tokens
+        start = time.perf_counter()
+        indices, old, entropy = shard_logprobs(
+            self.actor, sequences, micro_batch_tokens=tokens, with_entropy=True
+        )
+        mid = time.perf_counter()
+        ref = None
+        if with_ref:
+            _, ref, _ = shard_logprobs(self.ref, sequences, micro_batch_tokens=tokens, with_entropy=False)
+        end = time.perf_counter()
+        if not self.info.reports:
+            return None
+        return {
+            "indices": indices,
+            "old": old,
+            "ref": ref,
+            "entropy": entropy,
+            "timing_s/old_log_prob": mid - start,
+            "timing_s/ref": end - mid,
+        }
+
+    def train(self, batch, mini_batch_indices: list[list[int]], step: int) -> dict | None:
+        """The PPO update of one RL step; metric sums on reporting ranks, None elsewhere."""
+        sums = self.update.run(batch, mini_batch_indices, step, decode=self._decode)
+        sums["actor/lr"] = self.update.current_lr()
+        return sums if self.info.reports else None
+
+    def _decode(self, token_id: int) -> str:
+        if not hasattr(self, "_tokenizer"):
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer.decode([int(token_id)])
+
+    # --------------------------------------------------------------------------------- SFT
+    def sft_step(self, sequences: list[list[int]], loss_masks: list[list[int]], lr: float) -> dict | None:
+        """One SFT optimizer step at learning rate `lr` on this replica's share (masked NLL)."""
+        from megatron_agent.train.actor_update import parallel_info
+        from megatron_agent.train.batch import dp_shard
+        from megatron_agent.train.sft import sft_step
+
+        info = parallel_info()
+        mine = dp_shard(list(range(len(sequences))), info.dp_rank, info.dp_size)
+        for group in self.actor.optimizer.param_groups:
+            group["lr"] = lr
+        metrics = sft_step(
+            self.actor,
+            [sequences[i] for i in mine],
+            [loss_masks[i] for i in mine],
+            micro_batch_tokens=self.cfg.actor.micro_batch_tokens,
+        )
+        return metrics if info.reports else None
+
+    def restart_from(self, ckpt_dir: str) -> None:
+        """Actor (with a fresh optimizer) and reference both from `ckpt_dir` (after SFT)."""
+        from megatron_agent.models.policy import MegatronModel, OptimConfig
+
+        a = self.cfg.actor
+        optim = OptimConfig(
+            lr=a.lr,
+            weight_decay=a.weight_decay,
+            grad_clip=a.grad_clip,
+            use_distributed_optimizer=a.use_distributed_optimizer,
+        )
+        opts = self.actor.opts
+        self.actor = MegatronModel.from_hf(self.model_path, opts, trainable=True, optim=optim)
+        self._load_weights(ckpt_dir)
+        self.sender = None
+
+    # --------------------------------------------------------------------------------- weights
+    def connect_engines(self, engine_handles: list) -> None:
+        """Create the weight sender towards the rollout engines (Ray actor handles)."""
+        from megatron_agent.sync import RayEndpoint, WeightSender
+
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.cfg.model.dtype]
+        endpoints = [RayEndpoint(h) for h in engine_handles]
+        self.sender = WeightSender(self.actor, self.cfg.sync, endpoints, rollout_dtype=dtype)
+
+    def sync_weights(self) -> dict:
+        """Collective: push the actor's weights into every engine and verify them."""
+        return self.sender.sync()
+
+    def save_checkpoint(self, ckpt_dir: str, hf_dir: str, extra_meta: dict | None = None) -> str:
+        """Collective: the actor's weights as an atomic Megatron checkpoint (loads at any layout)."""
+        from megatron_agent.checkpoint.model_io import save_checkpoint
+
+        Path(ckpt_dir).parent.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(
+            ckpt_dir, self.actor.chunks, self.actor.arch, hf_dir=hf_dir, overwrite=True, extra_meta=extra_meta
+        )
+        return ckpt_dir

@@ -1,0 +1,61 @@
+"""A rollout engine as a Ray actor: vLLM, the agent loop with its tools, and the weight receiver.
+
+The engine lives in its own process (on CPU too), so the trainer's Megatron ranks and vLLM never
+share an interpreter. The driver calls `generate`; the Megatron ranks push weights through
+`sync_call`, which forwards to `sync.WeightReceiver` (buckets in shared memory on one host, CUDA
+IPC or NCCL on GPUs). Trajectories record the engine's `weight_version`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from megatron_agent.train.megatron_worker import config_from_dict
+
+
+class RolloutWorker:
+    """One rollout engine with the agent loop."""
+
+    def __init__(self, rank: int, num_engines: int, log_path: str, cfg_dict: dict, model_path: str):
+        from megatron_agent.rollout.factory import build_agent_loop, build_engine, build_toolset
+        from megatron_agent.train.cluster import redirect_output
+
+        redirect_output(log_path)
+        self.rank = rank
+        self.cfg = cfg = config_from_dict(cfg_dict)
+        run_dir = cfg.trainer.run_dir
+        os.environ.setdefault("TMPDIR", run_dir)
+        self.engine = build_engine(cfg, model_path, cache_dir=run_dir)
+        self.loop = build_agent_loop(cfg, self.engine, build_toolset(cfg))
+        self.receiver = None
+
+    def ping(self) -> int:
+        """Liveness check; returns the engine index."""
+        return self.rank
+
+    def generate(self, tasks: list, n: int, greedy: bool = False) -> list:
+        """`n` trajectories per task (task-major order); greedy for validation."""
+        base = self.loop.config
+        if greedy:
+            self.loop.config = dataclasses.replace(base, temperature=0.0, top_p=1.0, top_k=-1)
+        try:
+            return self.loop.run(tasks, n)
+        finally:
+            self.loop.config = base
+
+    def weight_version(self) -> int:
+        """The engine's weight version (bumped by every sync)."""
+        return self.engine.weight_version
+
+    def sync_call(self, method: str, *args, **kwargs):
+        """Entry point of the weight sync (see `megatron_agent.sync`)."""
+        if self.receiver is None:
+            from megatron_agent.sync import WeightReceiver
+
+            self.receiver = WeightReceiver(self.engine)
+        return self.receiver.handle(method, *args, **kwargs)
+
+    def close(self) -> None:
+        """Stop the agent loop's engine pump."""
+        self.loop.engine.close()

@@ -1,0 +1,276 @@
+"""The driver's view of a run: config checks, tasks, the Ray worker groups, and calls on them.
+
+`Trainer(cfg)` checks the config and the data before any worker starts (bad input is an error
+naming the key and the fix); `start()` brings up Ray, the Megatron world (actor + reference on
+every rank) and the rollout engines, and pushes the actor's weights into the engines. The RL
+loop (`rl_loop.py`) then reads as the algorithm: `rollout`, `logprobs`, `train`, `sync`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from megatron_agent.config import Config, ConfigError, config_to_dict
+from megatron_agent.data.sampler import PromptSampler
+from megatron_agent.data.tasks import Task
+from megatron_agent.train.batch import RLBatch
+from megatron_agent.train.cluster import WorkerGroup, start_ray, stop_ray
+
+logger = logging.getLogger("megatron_agent.train")
+
+
+def check_config(cfg: Config) -> None:
+    """Errors, before any worker starts, for settings that cannot work; each names the key and the fix."""
+    from megatron_agent.rl.advantages import ESTIMATORS
+
+    a, d, p, r = cfg.actor, cfg.data, cfg.parallel, cfg.rollout
+    if cfg.algorithm.adv_estimator not in ESTIMATORS or cfg.algorithm.adv_estimator == "gae":
+        choices = ", ".join(e for e in ESTIMATORS if e != "gae")
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r}: choose one of {choices} (gae needs a critic)"
+        )
+    for key, value in (
+        ("data.train_batch_size", d.train_batch_size),
+        ("rollout.n", r.n),
+        ("actor.ppo_epochs", a.ppo_epochs),
+        ("parallel.tp", p.tp),
+        ("parallel.pp", p.pp),
+        ("parallel.dp", p.dp),
+        ("rollout.num_engines", r.num_engines),
+    ):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    mini = a.ppo_mini_batch_size or d.train_batch_size
+    if d.train_batch_size % mini:
+        raise ConfigError(
+            f"data.train_batch_size={d.train_batch_size} is not divisible by actor.ppo_mini_batch_size={mini}: "
+            f"choose a mini-batch size that divides it (e.g. {math.gcd(d.train_batch_size, mini)})"
+        )
+    if r.num_engines > d.train_batch_size:
+        raise ConfigError(
+            f"rollout.num_engines={r.num_engines} exceeds data.train_batch_size={d.train_batch_size}: fewer engines than prompts per step"
+        )
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} is not an HF model folder (no config.json there): give the folder of config.json and the safetensors"
+        )
+    if cfg.trainer.init_from and not (Path(cfg.trainer.init_from) / "meta.json").is_file():
+        raise ConfigError(
+            f"trainer.init_from={cfg.trainer.init_from!r} is not a checkpoint folder (no meta.json): give a folder written by `sft` or `train`"
+        )
+    if cfg.data.train_path and not Path(cfg.data.train_path).is_file():
+        raise ConfigError(f"data.train_path={cfg.data.train_path!r} does not exist")
+    if cfg.data.val_path and not Path(cfg.data.val_path).is_file():
+        raise ConfigError(f"data.val_path={cfg.data.val_path!r} does not exist")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp > 1")
+    if cfg.model.dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"model.dtype={cfg.model.dtype!r}: choose fp32 or bf16")
+
+
+def check_layout(cfg: Config, model_path: str) -> None:
+    """Errors for a parallel layout the model cannot be split into (heads, layers)."""
+    from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
+
+    arch = arch_from_hf_config(load_hf_config(model_path))
+    p = cfg.parallel
+    if arch.num_attention_heads % p.tp or arch.num_query_groups % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} does not divide the model's {arch.num_attention_heads} attention heads and "
+            f"{arch.num_query_groups} key/value heads: choose a tp that divides both"
+        )
+    if arch.num_layers % (p.pp * p.vpp):
+        raise ConfigError(
+            f"parallel.pp * parallel.vpp = {p.pp * p.vpp} does not divide the model's {arch.num_layers} layers"
+        )
+
+
+def resolve_model_path(cfg: Config, run_dir: Path) -> str:
+    """`model.path`, or a tiny model made once in `<run_dir>/base_model` when it is empty."""
+    if cfg.model.path:
+        return cfg.model.path
+    out = run_dir / "base_model"
+    if not (out / "config.json").is_file():
+        from megatron_agent.models.tiny import make_tiny_model
+
+        make_tiny_model(out, cfg.model.tiny_family, seed=cfg.trainer.seed)
+    return str(out)
+
+
+class Trainer:
+    """Owns the worker groups and the data of one run."""
+
+    def __init__(self, cfg: Config):
+        check_config(cfg)
+        self.cfg = cfg
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model_path = resolve_model_path(cfg, self.run_dir)
+        check_layout(cfg, self.model_path)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.train_tasks, self.num_skipped_rows = self._load_tasks(cfg.data.train_path, cfg.data.seed)
+        self.val_tasks, _ = self._load_tasks(cfg.data.val_path, cfg.data.seed + 1, validation=True)
+        self.sampler = PromptSampler(len(self.train_tasks), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        self.actors: WorkerGroup | None = None
+        self.engines: WorkerGroup | None = None
+        self._started_ray = False
+
+    # ----------------------------------------------------------------------------- data
+    def _load_tasks(self, path: str, seed: int, validation: bool = False) -> tuple[list[Task], int]:
+        from megatron_agent.data import synthetic
+        from megatron_agent.data.tasks import load_tasks
+
+        d = self.cfg.data
+        if path:
+            tasks, num_skipped = load_tasks(path)
+        elif d.synthetic == "arithmetic":
+            num = d.num_synthetic_val_tasks if validation else d.num_synthetic_tasks
+            tasks, num_skipped = synthetic.arithmetic_tasks(num, seed=seed), 0
+        elif d.synthetic == "multihop":
+            num = d.num_synthetic_val_tasks if validation else d.num_synthetic_tasks
+            tasks, _, index_dir = synthetic.multihop_tasks(self.run_dir / "synthetic", num, seed)
+            self.cfg.tools.search_index_dir = self.cfg.tools.search_index_dir or str(index_dir)
+            if "search" not in self.cfg.tools.enabled:
+                self.cfg.tools.enabled = [*self.cfg.tools.enabled, "search"]
+            num_skipped = 0
+        else:
+            raise ConfigError(f"data.synthetic={d.synthetic!r}: choose arithmetic or multihop")
+        kept = [t for t in tasks if self._prompt_length(t) <= d.max_prompt_length]
+        num_skipped += len(tasks) - len(kept)
+        if len(kept) < len(tasks):
+            logger.warning(
+                "skipped %d tasks longer than data.max_prompt_length=%d",
+                len(tasks) - len(kept),
+                d.max_prompt_length,
+            )
+        if validation and d.val_batch_size:
+            kept = kept[: d.val_batch_size]
+        if not kept:
+            raise ConfigError(f"no usable tasks in {path or 'the synthetic set'} ({num_skipped} skipped)")
+        return kept, num_skipped
+
+    def _prompt_length(self, task: Task) -> int:
+        """Prompt ids exactly as the agent loop renders them (with the task's tool schemas)."""
+        if not hasattr(self, "_chat"):
+            from megatron_agent.rollout.chat import ChatFormat
+            from megatron_agent.rollout.factory import build_toolset
+
+            self._chat, self._toolset = ChatFormat(self.tokenizer), build_toolset(self.cfg)
+        return len(self._chat.prompt_ids(task.messages, self._toolset.schemas(task.tools)))
+
+    # ----------------------------------------------------------------------------- workers
+    def start(self, engines: bool = True) -> None:
+        """Start Ray, the Megatron world and (unless `engines=False`) the rollout engines."""
+        from megatron_agent.train.megatron_worker import MegatronWorker
+        from megatron_agent.train.rollout_worker import RolloutWorker
+
+        cfg = self.cfg
+        self._started_ray = start_ray(cfg.ray.address, cfg.ray.num_cpus)
+        cfg_dict = config_to_dict(cfg)
+        world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+        on_gpu = torch.cuda.is_available()
+        log_dir = self.run_dir / "logs"
+        timeout = cfg.trainer.worker_timeout_s
+        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))} if not on_gpu else {}
+        self.actors = WorkerGroup(
+            MegatronWorker,
+            world,
+            name="megatron",
+            log_dir=log_dir,
+            num_cpus=0 if not on_gpu else 1,
+            num_gpus=1 if on_gpu else 0,
+            init_args=(cfg_dict,),
+            timeout_s=timeout,
+            env_vars=env,
+        )
+        host, port = self.actors.call("rendezvous_address", ranks=[0])[0]
+        self.infos = self.actors.call("setup", host, port, self.model_path, cfg.trainer.init_from)
+        if not engines:
+            return
+        self.engines = WorkerGroup(
+            RolloutWorker,
+            cfg.rollout.num_engines,
+            name="rollout",
+            log_dir=log_dir,
+            num_cpus=0,
+            num_gpus=cfg.rollout.tp if on_gpu and not cfg.rollout.colocate else 0,
+            init_args=(cfg_dict, self.model_path),
+            timeout_s=timeout,
+        )
+        self.engines.call("ping")
+        self.actors.call("connect_engines", self.engines.workers)
+
+    def make_update(self, total_optimizer_steps: int) -> None:
+        """Create the PPO update (guard, LR schedule) on every rank."""
+        self.actors.call("make_update", total_optimizer_steps)
+
+    def close(self) -> None:
+        """Stop the workers and a Ray cluster started here."""
+        for group in (self.engines, self.actors):
+            if group is not None:
+                group.kill()
+        if self._started_ray:
+            stop_ray()
+
+    # ----------------------------------------------------------------------------- calls
+    def rollout(self, tasks: list[Task], n: int, *, greedy: bool = False) -> list:
+        """`n` trajectories per task, tasks split across the engines; task-major order."""
+        num = len(self.engines)
+        parts = [tasks[i::num] for i in range(num)]
+        ranks = [i for i in range(num) if parts[i]]
+        results = self.engines.call(
+            "generate", per_worker_args=[(parts[i], n, greedy) for i in ranks], ranks=ranks
+        )
+        by_task = {}
+        for rank, trajs in zip(ranks, results):
+            for k, task in enumerate(parts[rank]):
+                by_task.setdefault(id(task), []).append(trajs[k * n : (k + 1) * n])
+        out = []
+        for task in tasks:
+            out.extend(by_task[id(task)].pop(0))
+        return out
+
+    def logprobs(self, batch: RLBatch) -> dict[str, float]:
+        """Fill `old_logp`, `ref_logp` and `entropy` of `batch` (actor and reference, forward only)."""
+        results = [r for r in self.actors.call("logprobs", batch.sequences) if r is not None]
+        for key, name in (("old", "old_logp"), ("ref", "ref_logp"), ("entropy", "entropy")):
+            rows: list = [None] * len(batch)
+            for r in results:
+                for i, t in zip(r["indices"], r[key]):
+                    rows[i] = t
+            batch.tensors[name] = rows
+        return {k: max(r[k] for r in results) for k in ("timing_s/old_log_prob", "timing_s/ref")}
+
+    def train(self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int) -> dict[str, float]:
+        """The PPO update; metrics combined over the data-parallel replicas."""
+        import ray
+
+        ref = ray.put(batch)  # one copy in the object store, read by every rank
+        results = [r for r in self.actors.call("train", ref, mini_batch_indices, step) if r is not None]
+        num_steps = results[0]["n_optimizer_steps"]
+        tokens = sum(r.get("n_tokens", 0.0) for r in results)
+        metrics = {
+            "actor/pg_loss": sum(r.get("actor/pg_loss", 0.0) for r in results) / num_steps,
+            "actor/grad_norm": results[0]["actor/grad_norm"] / num_steps,
+            "actor/lr": results[0]["actor/lr"],
+            "actor/pg_clipfrac": sum(r.get("actor/pg_clipfrac", 0.0) for r in results) / max(tokens, 1.0),
+            "actor/ppo_kl": sum(r.get("actor/ppo_kl", 0.0) for r in results) / max(tokens, 1.0),
+            "guard/skipped": results[0]["guard/skipped"],
+        }
+        if "actor/kl_loss" in results[0]:
+            metrics["actor/kl_loss"] = sum(r["actor/kl_loss"] for r in results) / num_steps
+        metrics.update(
+            {k: v for k, v in results[0].items() if k.startswith("guard/") and k != "guard/skipped"}
+        )
+        return metrics
+
+    def sync(self) -> dict[str, float]:
+        """Push the actor's weights into every engine, verified (collective over the Megatron world)."""
+        return self.actors.call("sync_weights")[0]

@@ -38,10 +38,12 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Megatron model parallelism. The data-parallel size is world_size / (tp * pp)."""
+    """Megatron model parallelism: the trainer's world is tp * pp * dp ranks."""
 
     tp: int = 1
     """Tensor-parallel size."""
+    dp: int = 1
+    """Data-parallel size of the trainer (Megatron workers = tp * pp * dp)."""
     pp: int = 1
     """Pipeline-parallel size."""
     vpp: int = 1
@@ -210,7 +212,7 @@ class DataConfig:
     """Shuffle the training tasks every epoch."""
     seed: int = 1234
     """Shuffling seed."""
-    max_prompt_length: int = 256
+    max_prompt_length: int = 1024
     """Prompt tokens at most; longer prompts are skipped and counted (data/skipped_rows)."""
     synthetic: str = "arithmetic"
     """Synthetic tasks used when the task path is empty: arithmetic (calculator) or multihop (search)."""
@@ -250,6 +252,28 @@ class ToolsConfig:
     """Passages returned by one `search` call."""
     python: PythonToolConfig = field(default_factory=PythonToolConfig)
     """The python tool."""
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start on chat data (`sft` command, or before RL in `train` when steps > 0)."""
+
+    steps: int = 0
+    """Optimizer steps of SFT (0: none)."""
+    data_path: str = ""
+    """jsonl or parquet of {"messages": [...], "tools": [...]}; empty means synthetic calculator demos."""
+    num_synthetic: int = 2000
+    """Synthetic demonstrations generated when data_path is empty."""
+    tool_use_rate: float = 0.5
+    """Share of synthetic demonstrations that call the calculator (the rest answer directly)."""
+    batch_size: int = 32
+    """Conversations per SFT step."""
+    lr: float = 1e-3
+    """SFT learning rate (constant after warmup)."""
+    warmup_steps: int = 10
+    """Linear warmup steps of the SFT learning rate."""
+    seed: int = 7
+    """Seed of the synthetic demonstrations and their order."""
 
 
 @dataclass
@@ -348,6 +372,8 @@ class Config:
     """Datasets."""
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     """Tools."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm start."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """Weight sync to the rollout engines."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -200,9 +200,8 @@ class RunLogger:
         if self.cfg.tensorboard:
             self._tensorboard_log(row)
         if self._wandb_run is not None:
-            self._wandb_run.log(
-                row
-            )  # charts use our "step" (see _start_wandb), wandb's own _step counts rows
+            # Charts use our "step" (see _start_wandb); wandb's own _step just counts rows.
+            self._wandb_run.log(row)
         if self._plotter is not None:
             self._plotter.submit(list(self.history))
         return row

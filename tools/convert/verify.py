@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         with HFCheckpointReader(args.hf) as reader:
             same = reader.get("model.embed_tokens.weight").dtype == DTYPES[meta["dtype"]]
         compute = "fp32" if same else meta["dtype"]
-    chunks = build_model_chunks(arch, BuildOptions(tp=args.tp, pp=args.pp, dtype=compute), trainable=False)
+    opts = BuildOptions(tp=args.tp, pp=args.pp, dtype=compute)
+    chunks = build_model_chunks(arch, opts, trainable=False, initialize=False)  # the load fills all
     load_checkpoint(args.ckpt, chunks, arch)
     tol = dict(TOLERANCES[compute])
     if args.atol_logits is not None:

@@ -44,6 +44,27 @@ def _quiet_partial_reload():
             lg.setLevel(level)
 
 
+TIED_EMBEDDING = "model.embed_tokens.weight"
+
+
+def refresh_tied_lm_head(model) -> None:
+    """Re-derive a tied output layer's kernel state from the freshly loaded embedding.
+
+    vLLM ties lm_head to embed_tokens by sharing the parameter, but its CPU backend also keeps a
+    prepacked copy of the head for the GEMM, built when the module is processed after loading.
+    A reload that carries only the embedding (the head is never sent for tied models) leaves
+    that copy stale: the engine would score with the old output layer. Reprocessing the head
+    rebuilds it (on GPU this is a no-op).
+    """
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head.weight.data_ptr() != embed.weight.data_ptr():
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+
+
 def load_bucket_on_worker(worker, header: BucketHeader, payload: dict, verify: bool) -> dict:
     """Run inside a vLLM worker (or with worker=None for a non-vLLM engine): check and load one bucket.
 
@@ -62,6 +83,8 @@ def load_bucket_on_worker(worker, header: BucketHeader, payload: dict, verify: b
     if worker is not None:
         with _quiet_partial_reload():
             worker.reload_weights(weights_iterator=iter_views(u8, header))
+        if TIED_EMBEDDING in header.names():
+            refresh_tied_lm_head(worker.model_runner.get_model())
     return {"checksum_s": t1 - t0, "load_s": time.perf_counter() - t1, "u8": u8 if worker is None else None}
 
 

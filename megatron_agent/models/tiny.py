@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -191,6 +192,101 @@ def make_tiny_model(
             elif name.endswith(".bias"):
                 p.copy_(0.05 * torch.randn_like(p))
     model = model.to(dtype)
+    model.save_pretrained(str(out), safe_serialization=True)
+    with open(out / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": cfg_dict["eos_token_id"], "do_sample": True}, f)
+    return out
+
+
+# --------------------------------------------------------------------------------- quickstart
+QUICKSTART_VOCAB_SIZE = 640  # embedding rows of the quickstart model; its tokenizer has ~530 entries
+
+
+def _quickstart_corpus(num: int = 600) -> list[str]:
+    """Rendered calculator conversations, so that merges cover the template and tool schema."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_agent.data.sft import synthetic_calculator_demos
+
+    renderer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
+    renderer.chat_template = CHAT_TEMPLATE
+    # Added tokens split the text before BPE runs: train on the pieces between them only.
+    added = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + TOOL_TAGS + TEXT_TAGS))
+    pieces = []
+    for row in synthetic_calculator_demos(num, seed=987_654, tool_use_rate=0.5):
+        text = renderer.apply_chat_template(row["messages"], tools=row["tools"], tokenize=False)
+        pieces += [p for p in added.split(text) if p]
+    return pieces
+
+
+def build_quickstart_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = QUICKSTART_VOCAB_SIZE):
+    """A byte-level BPE tokenizer for the calculator quickstart, saved as an HF fast tokenizer.
+
+    Every digit is a token of its own (numbers are copied digit by digit from the question into
+    the tool call and from the tool response into the answer) and every newline too; merges may
+    cross spaces and are learned on rendered calculator conversations, so the system prompt and
+    the tool schema take a few tokens. Since the agent loop joins template pieces and tool output
+    at newlines, its ids equal those of the whole rendered conversation. Same added tokens and
+    chat template as `build_tokenizer`.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split("\n", behavior="isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    added = SPECIAL_TOKENS + TOOL_TAGS + TEXT_TAGS
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(added),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_quickstart_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS,
+    )
+    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS + TEXT_TAGS])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def make_quickstart_model(out_dir: str | os.PathLike, seed: int = 0, **config_overrides) -> Path:
+    """Write the quickstart's random Llama model (hidden 128, 4 heads of 32, 4 layers) to `out_dir`.
+
+    Its tokenizer is `build_quickstart_tokenizer`'s (digits as single tokens). Random weights:
+    SFT on `data.sft.quickstart_sft_data` first. Returns the folder.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_quickstart_tokenizer(out)
+    if len(tokenizer) > QUICKSTART_VOCAB_SIZE:
+        raise AssertionError(f"quickstart tokenizer has {len(tokenizer)} entries > {QUICKSTART_VOCAB_SIZE}")
+    # Llama, not Qwen2: transformers 5 loads every qwen2 folder with Qwen2Tokenizer, which
+    # replaces this tokenizer's pre-tokenizer with its own (vLLM would then tokenize otherwise).
+    cfg_dict = tiny_config(
+        "llama", vocab_size=QUICKSTART_VOCAB_SIZE, intermediate_size=384, rope_scaling=None
+    )
+    cfg_dict.update(config_overrides)
+    cfg_dict["eos_token_id"] = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    cfg_dict["pad_token_id"] = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model_type = cfg_dict.pop("model_type")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(model_type, **cfg_dict), dtype=torch.float32
+    )
     model.save_pretrained(str(out), safe_serialization=True)
     with open(out / "generation_config.json", "w") as f:
         json.dump({"eos_token_id": cfg_dict["eos_token_id"], "do_sample": True}, f)

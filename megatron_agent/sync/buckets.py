@@ -12,6 +12,7 @@ position-weighted 64-bit integer sum computed on the device (exact, order-indepe
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -153,6 +154,7 @@ class BucketWriter:
         self.dtype_name = dtype_name(dtype)
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.used = 0
+        self.checksum_s = 0.0
 
     def fits(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit in the buffer."""
@@ -164,7 +166,9 @@ class BucketWriter:
         e = TensorEntry(name, tuple(tensor.shape), self.dtype_name, self.used, nbytes, 0)
         entry_view(self.buf, e).copy_(tensor)
         if self.header.algo:
+            t0 = time.perf_counter()
             value = checksum(self.buf[e.offset : e.offset + nbytes], self.header.algo)
+            self.checksum_s += time.perf_counter() - t0
             e = TensorEntry(e.name, e.shape, e.dtype, e.offset, e.nbytes, value)
         self.header.entries.append(e)
         self.used += aligned(nbytes)

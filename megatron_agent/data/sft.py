@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,11 @@ def calculator_call(expression: str) -> str:
     return f"<tool_call>{body}</tool_call>"
 
 
+def expression_of(question: str) -> str:
+    """The expression of an `arithmetic_tasks` question ("What is 12 + 7?" -> "12 + 7")."""
+    return question.removeprefix("What is ").removesuffix("?")
+
+
 def synthetic_calculator_demos(
     num: int, seed: int, tool_use_rate: float = QUICKSTART_TOOL_USE_RATE, max_depth: int = 1
 ) -> list[dict]:
@@ -241,7 +247,8 @@ def synthetic_calculator_demos(
 
     The same system prompt, question and calculator schema as the RL tasks. A share
     `tool_use_rate` of the rows calls the calculator and answers with its result; the rest answer
-    at once with a guess (a random number in 1..99, almost always wrong).
+    at once with a guess: the expression's first number (almost always wrong). Both kinds copy
+    digits from the question, so the copying that tool use needs is learned from every row.
     """
     from megatron_agent.data.synthetic import arithmetic_tasks
     from megatron_agent.envs.tools.calculator import Calculator
@@ -255,14 +262,15 @@ def synthetic_calculator_demos(
         answer = task.reward["ground_truth"]
         messages = [dict(m) for m in task.messages]
         if rng.random() < tool_use_rate:
-            expression = messages[-1]["content"].removeprefix("What is ").removesuffix("?")
+            expression = expression_of(messages[-1]["content"])
             messages += [
                 {"role": "assistant", "content": calculator_call(expression)},
                 {"role": "tool", "content": answer},
                 {"role": "assistant", "content": f"<answer>{answer}</answer>"},
             ]
         else:
-            messages.append({"role": "assistant", "content": f"<answer>{rng.randint(1, 99)}</answer>"})
+            guess = re.search(r"\d+", expression_of(messages[-1]["content"])).group(0)
+            messages.append({"role": "assistant", "content": f"<answer>{guess}</answer>"})
         rows.append({"messages": messages, "tools": [schema]})
     return rows
 

@@ -185,6 +185,16 @@ def test_calculator_demos(rate):
         value = str(evaluate(call.arguments["expression"]))
         assert r["messages"][3]["content"] == value
         assert r["messages"][4]["content"] == f"<answer>{value}</answer>"
+    direct = [r for r in rows if len(r["messages"]) == 3]
+    for r in direct:  # the guess: the first number of the question, almost never the value
+        first = r["messages"][1]["content"].removeprefix("What is ").split()[0]
+        assert r["messages"][2]["content"] == f"<answer>{first}</answer>"
+    wrong = [
+        r
+        for r in direct
+        if r["messages"][2]["content"] != f"<answer>{evaluate(r['messages'][1]['content'][8:-1])}</answer>"
+    ]
+    assert len(wrong) >= 0.95 * len(direct)
     assert quickstart_sft_data(10, seed=0) == quickstart_sft_data(10, seed=0)
 
 

@@ -162,6 +162,7 @@ class WeightSender:
                 "pack_s",
                 "alloc_s",
                 "wait_s",
+                "checksum_s",
                 "engine_checksum_s",
                 "engine_load_s",
             ),

@@ -98,7 +98,8 @@ class LocalEndpoint:
 class SubprocessEndpoint:
     """A vLLM engine in its own spawned process, served over a local (AF_UNIX) socket.
 
-    The process that constructs it owns the engine (`close()` stops it); `handle` is a small
+    `engine_class` ('module:Class', built as Class(model_path, **engine_kwargs)) may name another
+    engine with the same update API. The process that constructs it owns the engine (`close()` stops it); `handle` is a small
     picklable dict another process passes to `SubprocessEndpoint.connect` to call the same engine.
     """
 
@@ -112,6 +113,7 @@ class SubprocessEndpoint:
         env: dict[str, str] | None = None,
         name: str = "engine",
         start_timeout_s: float = 600.0,
+        engine_class: str = "megatron_agent.rollout.engine:VLLMEngine",
     ):
         import multiprocessing as mp
 
@@ -123,7 +125,15 @@ class SubprocessEndpoint:
         ctx = mp.get_context("spawn")
         self.process = ctx.Process(
             target=serve_engine,
-            args=(address, authkey, str(model_path), dict(engine_kwargs or {}), dict(env or {}), os.getpid()),
+            args=(
+                address,
+                authkey,
+                engine_class,
+                str(model_path),
+                dict(engine_kwargs or {}),
+                dict(env or {}),
+                os.getpid(),
+            ),
             name=name,
         )
         self.process.start()

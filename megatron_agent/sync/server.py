@@ -13,16 +13,27 @@ import threading
 
 
 def serve_engine(
-    address: str, authkey: bytes, model_path: str, engine_kwargs: dict, env: dict, parent_pid: int
+    address: str,
+    authkey: bytes,
+    engine_class: str,
+    model_path: str,
+    engine_kwargs: dict,
+    env: dict,
+    parent_pid: int,
 ) -> None:
-    """Process main: build the engine, then answer (id, method, args, kwargs) calls until shut down."""
+    """Process main: build the engine, then answer (id, method, args, kwargs) calls until shut down.
+
+    `engine_class` is 'module:Class' (VLLMEngine by default), built as Class(model_path, **engine_kwargs).
+    """
     os.environ.update(env)
+    import importlib
     from multiprocessing.connection import Listener
 
-    from megatron_agent.rollout.engine import VLLMEngine
     from megatron_agent.sync.receiver import WeightReceiver
 
-    receiver = WeightReceiver(VLLMEngine(model_path, **engine_kwargs))
+    module, _, cls = engine_class.partition(":")
+    engine = getattr(importlib.import_module(module), cls)(model_path, **engine_kwargs)
+    receiver = WeightReceiver(engine)
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
     lock = threading.Lock()
     stop = threading.Event()

@@ -24,16 +24,21 @@ from tests.helpers.mp_logprobs_worker import parse_layout, sequences
 
 
 class RecordingEngine:
-    """A rollout 'engine' that keeps a copy of every tensor it is given (for the export comparison)."""
+    """An 'engine' process that writes every bucket it loads to out_dir (for the export comparison)."""
 
-    def __init__(self):
+    def __init__(self, model_path, out_dir):
         self.weight_version = 0
-        self.tensors = {}
+        self.out_dir = out_dir
+        self.num_updates = 0
 
     def update_weights(self, named_tensors):
-        for name, t in named_tensors:
-            assert name not in self.tensors, f"{name} streamed twice"
-            self.tensors[name] = t.clone()
+        from safetensors.torch import save_file
+
+        save_file(
+            {n: t.clone() for n, t in named_tensors},
+            os.path.join(self.out_dir, f"bucket{self.num_updates}.safetensors"),
+        )
+        self.num_updates += 1
         self.weight_version += 1
         return self.weight_version
 
@@ -177,20 +182,30 @@ def run_layouts(args):
 
 
 def export(model, model_path, sender, out_dir):
-    """Stream once more into a recording engine per sending rank, and save a checkpoint of the same state."""
-    from safetensors.torch import save_file
-
+    """Stream once more into a recording engine process, and save a checkpoint of the same state."""
     from megatron_agent.checkpoint.model_io import save_checkpoint
-    from megatron_agent.sync import LocalEndpoint, WeightReceiver, WeightSender
+    from megatron_agent.sync import SubprocessEndpoint, WeightSender
 
-    recorder = RecordingEngine()
-    endpoints = [LocalEndpoint(WeightReceiver(recorder))] if sender.role.is_sender else []
-    cfg = dataclasses.replace(sender.cfg, verify=False)
-    rec_sender = WeightSender(model, cfg, endpoints)
+    streamed = os.path.join(out_dir, "streamed")
+    recorder = None
+    if dist.get_rank() == 0:
+        os.makedirs(streamed)
+        recorder = SubprocessEndpoint(
+            model_path,
+            {"out_dir": streamed},
+            name="recorder",
+            engine_class="tests.sync.sync_worker:RecordingEngine",
+        )
+    box = [recorder.handle if recorder else None]
+    dist.broadcast_object_list(box, src=0)
+    endpoints = []
+    if sender.role.is_sender:
+        endpoints = [recorder or SubprocessEndpoint.connect(box[0])]
+    rec_sender = WeightSender(model, dataclasses.replace(sender.cfg, verify=False), endpoints)
     rec_sender.bucket_bytes = sender.bucket_bytes
     rec_sender.sync()
-    if sender.role.is_sender:
-        save_file(recorder.tensors, os.path.join(out_dir, f"streamed_rank{dist.get_rank()}.safetensors"))
+    if recorder is not None:
+        recorder.close()
     save_checkpoint(os.path.join(out_dir, "ckpt"), model.chunks, model.arch, hf_dir=model_path)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -141,6 +142,7 @@ class Job:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        shutil.rmtree(self.token, ignore_errors=True)
 
 
 def _wait_gone(token: str, timeout: float = 20) -> list[int]:

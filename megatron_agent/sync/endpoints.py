@@ -14,6 +14,7 @@ header and a shared-memory name or CUDA handle), never tensors one at a time.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import shutil
@@ -153,6 +154,9 @@ class SubprocessEndpoint:
                 )
             time.sleep(0.1)
         self._client = _Client(self.handle, self.process)
+        # multiprocessing joins live children at interpreter exit, and the engine waits for its
+        # owner to exit: stop it first (atexit runs this before multiprocessing's own handler).
+        atexit.register(self.close)
 
     @classmethod
     def connect(cls, handle: dict) -> _Client:
@@ -169,7 +173,8 @@ class SubprocessEndpoint:
         return self._client.call(method, *args, **kwargs)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the engine process and remove its socket."""
+        """Stop the engine process and remove its socket (idempotent)."""
+        atexit.unregister(self.close)
         if self.process.exitcode is None:
             try:
                 self._client.call("__shutdown__").result(timeout_s)

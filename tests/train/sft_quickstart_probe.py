@@ -125,14 +125,16 @@ def evaluate(model_dir: Path, tasks_path: Path, run_dir: Path, temperature: floa
 
 
 def main() -> None:
+    from megatron_agent.train.sft import QUICKSTART_SFT
+
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rate", type=float, default=0.3)
     p.add_argument("--num-demos", type=int, default=2000)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=QUICKSTART_SFT["steps"])
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=QUICKSTART_SFT["lr"])
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--micro-batch-tokens", type=int, default=4096)
     p.add_argument("--eval-tasks", type=int, default=64)

@@ -11,10 +11,11 @@ the file was read once (a warm page cache, the same for every phase):
   tp2     the same at tp=2 on two gloo ranks (time until both ranks hold their shards)
   old     (once, for reference; --no-old skips it) tp1 the old way: random initialisation, then
           the load
-Phases alternate and repeat; the fastest run of each counts, with the highest peak RSS seen.
-Per phase: wall seconds (the slowest rank); per rank: CPU seconds (user + system, the least of
-the runs: a cross-check when the machine is shared), peak RSS above the RSS just before the work (after imports and
-process-group setup: the baseline) and the bytes of the rank's own shard. The last line is
+Every process runs with --threads torch threads (default 1). Phases alternate and repeat; the
+fastest run of each counts, with the highest peak RSS seen. Printed per phase: wall seconds (of
+the slowest rank) and, per rank, CPU seconds (user + system, the least of the runs: a
+cross-check on a shared machine), peak RSS above the RSS just before the work (after imports
+and process-group setup: the baseline) and the bytes of the rank's own shard. The last line is
 `load_ratio=X memory_ratio=Y`: read time / our time and the worst rank's working peak RSS / its
 shard bytes, each for the worse of TP1 and TP2.
 """
@@ -107,7 +108,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(name: str, work: Path) -> dict:
+def _run(name: str, work: Path, threads: int) -> dict:
     """Run phase `name` in fresh processes (one per rank) and return rank 0's report."""
     with open(work / "hf" / "model.safetensors", "rb") as fh:  # warm page cache for every phase
         while fh.read(64 << 20):
@@ -118,7 +119,7 @@ def _run(name: str, work: Path) -> dict:
     for rank in range(world):
         env = dict(
             os.environ,
-            OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
+            OMP_NUM_THREADS=str(threads),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
             RANK=str(rank),
@@ -151,6 +152,13 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the scratch folder")
     p.add_argument("--repeats", type=int, default=3, help="runs of each phase (the fastest counts)")
     p.add_argument("--no-old", action="store_true", help="skip the old build's reference run")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per process, the same for every phase (on a shared 2-core machine a "
+        "second thread only spins: it tripled the CPU time of both the read and the load)",
+    )
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.phase:
@@ -176,7 +184,7 @@ def main() -> None:
         runs: dict[str, list[float]] = {}
         for _ in range(args.repeats):
             for name in ("read", "tp1", "tp2"):
-                r = _run(name, work)
+                r = _run(name, work, args.threads)
                 runs.setdefault(name, []).append(r["seconds"])
                 prev = best.get(name)
                 if prev is not None:
@@ -187,7 +195,7 @@ def main() -> None:
                         r["seconds"] = prev["seconds"]
                 best[name] = r
         if not args.no_old:
-            best["old"] = _run("old", work)
+            best["old"] = _run("old", work, args.threads)
         for name, r in best.items():
             print(_line(name, r))
         print(

@@ -56,11 +56,33 @@ def error_of(fn) -> list:
     return ["none", ""]
 
 
+def checkpoint_round_trip(model_path: str, opts, ckpt_dir: str) -> list[str]:
+    """Save a fast-built model, load it into a model built without init; names of differing params."""
+    from megatron_agent.checkpoint.model_io import load_checkpoint, save_checkpoint
+    from megatron_agent.models.build import build_model_chunks
+    from megatron_agent.models.policy import MegatronModel
+
+    source = MegatronModel.from_hf(model_path, opts, trainable=False)
+    save_checkpoint(ckpt_dir, source.chunks, source.arch, hf_dir=model_path)
+    chunks = build_model_chunks(source.arch, opts, trainable=False, initialize=False)
+    load_checkpoint(ckpt_dir, chunks, source.arch)
+    differ = [
+        n
+        for chunk_s, chunk_l in zip(source.chunks, chunks)
+        for (n, a), (_, b) in zip(chunk_s.named_parameters(), chunk_l.named_parameters())
+        if not torch.equal(a, b)
+    ]
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, differ)
+    return sorted({n for d in per_rank for n in d})
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", required=True)
     p.add_argument("--layouts", nargs="+", default=["1x1", "2x2"])
     p.add_argument("--missing-tensor-model", required=True)
+    p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -102,6 +124,7 @@ def main() -> None:
 
     init_model_parallel(2, 2)
     opts = BuildOptions(tp=2, pp=2)
+    results["checkpoint_params_differ"] = checkpoint_round_trip(args.models[-1], opts, args.ckpt_dir)
     missing = error_of(lambda: MegatronModel.from_hf(args.missing_tensor_model, opts, trainable=False))
 
     def load_with_extra_parameter():

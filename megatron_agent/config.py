@@ -30,6 +30,8 @@ class ModelConfig:
     """FP8 recipe on GPU with Transformer Engine: '' (off), 'delayed', 'tensorwise', 'mxfp8'."""
     transformer_impl: str = "auto"
     """Layer spec: 'auto' (Transformer Engine where TE and a GPU are present), 'te' or 'local'."""
+    recompute: str = "none"
+    """Activation recomputation in training: 'none', 'selective' (core attention) or 'full' (every layer)."""
     ref_offload: bool = False
     """Keep the frozen reference model's weights on the CPU between uses (GPU memory saving)."""
     logprob_chunk_tokens: int = 1024

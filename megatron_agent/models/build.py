@@ -20,6 +20,7 @@ from megatron_agent.platform.setup import device as compute_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class BuildOptions:
     fp8: str = ""
     transformer_impl: str = "auto"
     sequence_parallel: bool = False
+    recompute: str = "none"
+    """Activation recomputation: 'none', 'selective' (core attention) or 'full' (every layer)."""
 
 
 def te_available() -> bool:
@@ -73,6 +76,8 @@ def transformer_config(arch: ModelArch, opts: BuildOptions, *, initialize: bool 
                 "model.fp8 needs Transformer Engine on a GPU; it is not available on this machine"
             )
         fp8_kwargs = dict(fp8="hybrid", fp8_recipe=opts.fp8)
+    if opts.sequence_parallel and opts.tp == 1:
+        raise ValueError("parallel.sequence_parallel=true needs tensor parallelism: set parallel.tp > 1")
     dtype = DTYPES[opts.dtype]
     on_gpu = torch.cuda.is_available()
     return TransformerConfig(
@@ -118,8 +123,24 @@ def transformer_config(arch: ModelArch, opts: BuildOptions, *, initialize: bool 
         # Losses are normalised by global token/sequence counts by the caller (rl.aggregate);
         # this stops the schedule and DDP from also dividing by micro-batches or DP size.
         calculate_per_token_loss=True,
+        **recompute_kwargs(opts.recompute),
         **fp8_kwargs,
     ), impl
+
+
+def recompute_kwargs(recompute: str) -> dict:
+    """TransformerConfig fields for `model.recompute` ('none', 'selective' or 'full').
+
+    'selective' recomputes core attention (Megatron's default module list) in the backward pass;
+    'full' recomputes every transformer layer from its input (one layer per checkpoint).
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"model.recompute={recompute!r}: choose one of {RECOMPUTE}")
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return {}
 
 
 def layer_spec(arch: ModelArch, impl: str):

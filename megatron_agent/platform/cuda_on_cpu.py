@@ -18,6 +18,7 @@ RNG functions, synchronises with `torch.cuda.synchronize()`, and asserts that pa
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -116,6 +117,14 @@ def enable() -> None:
 
     tp_random._get_cuda_rng_state = _get_cpu_rng_state
     tp_random._set_cuda_rng_state = _set_cpu_rng_state
+    # A call the mode itself handles (autograd's backward, an autograd Function's apply) runs
+    # with the mode popped, so activation recomputation (model.recompute) re-runs layers without
+    # the redirection; the causal mask is the one CUDA literal on that path.
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = functools.lru_cache(maxsize=32)(
+        lambda sq: torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+    )
 
     mode = _CudaToCpuMode()
     mode.__enter__()  # stays pushed for the life of the process

@@ -131,7 +131,7 @@ def load_hf_weights(chunks: list, arch: ModelArch, model_path: str | Path, *, im
         f"chunk{i}.{name}"
         for i, chunk in enumerate(chunks)
         for name, param in chunk.named_parameters()
-        if id(param) not in filled
+        if id(param) not in filled and param.numel()  # an empty tensor holds no stale memory
     ]
     if unfilled:
         raise UnfilledParameterError(

@@ -23,7 +23,7 @@ class ModelConfig:
     path: str = ""
     """HF folder (config.json + safetensors + tokenizer); empty means a tiny model made on the fly."""
     tiny_family: str = "qwen2"
-    """Family of the tiny model made when `path` is empty: llama, qwen2 or qwen3."""
+    """Tiny model made when `path` is empty: llama, qwen2, qwen3, or quickstart (digit tokenizer)."""
     dtype: str = "fp32"
     """Parameter and compute dtype of the Megatron models: fp32 or bf16."""
     fp8: str = ""
@@ -220,6 +220,8 @@ class DataConfig:
     """Synthetic tasks used when the task path is empty: arithmetic (calculator) or multihop (search)."""
     num_synthetic_tasks: int = 16
     """How many synthetic tasks to generate."""
+    arithmetic_max_depth: int = 2
+    """Nesting depth of synthetic arithmetic questions (1: `a op b`)."""
     num_synthetic_val_tasks: int = 32
     """How many synthetic validation tasks to generate (when val_path is empty)."""
 

@@ -64,8 +64,12 @@ def main(argv: list[str]) -> int:
     from megatron_agent.train.sft_run import run_sft
 
     log = logging.getLogger("megatron_agent.train")
-    for problem in check_versions():
+    problems = check_versions()
+    for problem in problems:
         log.warning("%s", problem)
+    if any(p.startswith("error:") for p in problems):
+        print("error: the installed versions cannot work together (see above)", file=sys.stderr)
+        return 2
     run_log = RunLogger(trainer.run_dir, cfg.logging, config_dict=config_to_dict(cfg))
     t = cfg.trainer
     try:

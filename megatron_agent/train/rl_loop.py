@@ -41,7 +41,7 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
     cfg, algo, m = t.cfg, t.cfg.algorithm, {"step": step}
     with timer(m, "step"):
         with timer(m, "gen"):
-            trajectories, group_ids = collect_rollouts(t, m)
+            trajectories, group_ids, group_tasks = collect_rollouts(t, m)
         m.update(rollout_metrics(trajectories))
         batch = batch_from_trajectories(trajectories, pad_id=t.tokenizer.pad_token_id or 0)
         batch.group_ids = group_ids
@@ -105,14 +105,17 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
     return m
 
 
-def collect_rollouts(t: Trainer, m: dict) -> tuple[list, list[str]]:
+def collect_rollouts(t: Trainer, m: dict) -> tuple[list, list[str], dict]:
     """`data.train_batch_size` groups of `rollout.n` trajectories; with dynamic sampling, groups
-    whose rewards all tie are dropped and more prompts are drawn, up to `max_num_gen_batches`."""
+    whose rewards all tie are dropped and more prompts are drawn, up to `max_num_gen_batches`.
+
+    Returns (trajectories, group id of each, {group id: task})."""
     cfg = t.cfg
-    want, kept, group_ids, rounds, dropped = cfg.data.train_batch_size, [], [], 0, 0
+    want, kept, group_ids, rounds, dropped, tasks = cfg.data.train_batch_size, [], [], 0, 0, {}
     while len(group_ids) // cfg.rollout.n < want and rounds < max(1, cfg.algorithm.max_num_gen_batches):
         indices = t.sampler.next_batch(want - len(group_ids) // cfg.rollout.n)
-        trajectories = t.rollout([t.train_tasks[i] for i in indices], cfg.rollout.n)
+        drawn = [t.train_tasks[i] for i in indices]
+        trajectories = t.rollout(drawn, cfg.rollout.n)
         for k in range(len(indices)):
             group = trajectories[k * cfg.rollout.n : (k + 1) * cfg.rollout.n]
             tied = len({g.reward for g in group}) == 1
@@ -120,7 +123,9 @@ def collect_rollouts(t: Trainer, m: dict) -> tuple[list, list[str]]:
                 dropped += 1
                 continue
             kept.extend(group)
-            group_ids.extend([f"{rounds}:{k}:{group[0].task_uid}"] * len(group))
+            group_id = f"{rounds}:{k}:{group[0].task_uid}"
+            group_ids.extend([group_id] * len(group))
+            tasks[group_id] = drawn[k]
         rounds += 1
         if not cfg.algorithm.dynamic_sampling:
             break
@@ -131,7 +136,15 @@ def collect_rollouts(t: Trainer, m: dict) -> tuple[list, list[str]]:
             f"dynamic sampling kept no group in {rounds} generation rounds (every group's rewards tied); "
             "raise algorithm.max_num_gen_batches or rollout.n, or turn algorithm.dynamic_sampling off"
         )
-    return kept, group_ids
+    return kept, group_ids, tasks
+
+
+def greedy_baseline(t: Trainer, group_ids: list[str], tasks: dict) -> torch.Tensor:
+    """ReMax's baseline [B]: the reward of one greedy rollout of each sequence's task."""
+    order = list(tasks)
+    greedy = t.rollout([tasks[g] for g in order], 1, greedy=True)
+    reward_of = {g: float(tr.reward or 0.0) for g, tr in zip(order, greedy)}
+    return torch.tensor([reward_of[g] for g in group_ids], dtype=torch.float32)
 
 
 def batch_stats(batch: RLBatch, mask_BT, adv_BT, returns_BT, old_BT, ref_BT) -> dict[str, float]:

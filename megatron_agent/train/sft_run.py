@@ -24,10 +24,10 @@ def sft_examples(t) -> tuple[list[list[int]], list[list[int]], int]:
     if s.data_path:
         rows, num_skipped = load_sft_rows(s.data_path)
     else:
-        rows, num_skipped = (
-            synthetic_calculator_demos(s.num_synthetic, s.seed, tool_use_rate=s.tool_use_rate),
-            0,
+        rows = synthetic_calculator_demos(
+            s.num_synthetic, s.seed, tool_use_rate=s.tool_use_rate, max_depth=t.cfg.data.arithmetic_max_depth
         )
+        num_skipped = 0
     sequences, masks = [], []
     for row in rows:
         ids, mask = tokenize_conversation(t.tokenizer, row["messages"], row.get("tools"))

@@ -96,9 +96,12 @@ def resolve_model_path(cfg: Config, run_dir: Path) -> str:
         return cfg.model.path
     out = run_dir / "base_model"
     if not (out / "config.json").is_file():
-        from megatron_agent.models.tiny import make_tiny_model
+        from megatron_agent.models.tiny import make_quickstart_model, make_tiny_model
 
-        make_tiny_model(out, cfg.model.tiny_family, seed=cfg.trainer.seed)
+        if cfg.model.tiny_family == "quickstart":
+            make_quickstart_model(out, seed=cfg.trainer.seed)
+        else:
+            make_tiny_model(out, cfg.model.tiny_family, seed=cfg.trainer.seed)
     return str(out)
 
 
@@ -132,10 +135,12 @@ class Trainer:
             tasks, num_skipped = load_tasks(path)
         elif d.synthetic == "arithmetic":
             num = d.num_synthetic_val_tasks if validation else d.num_synthetic_tasks
-            tasks, num_skipped = synthetic.arithmetic_tasks(num, seed=seed), 0
+            tasks = synthetic.arithmetic_tasks(num, seed=seed, max_depth=d.arithmetic_max_depth)
+            num_skipped = 0
         elif d.synthetic == "multihop":
             num = d.num_synthetic_val_tasks if validation else d.num_synthetic_tasks
-            tasks, _, index_dir = synthetic.multihop_tasks(self.run_dir / "synthetic", num, seed)
+            folder = self.run_dir / ("synthetic_val" if validation else "synthetic")
+            tasks, _, index_dir = synthetic.multihop_tasks(folder, num, seed)
             self.cfg.tools.search_index_dir = self.cfg.tools.search_index_dir or str(index_dir)
             if "search" not in self.cfg.tools.enabled:
                 self.cfg.tools.enabled = [*self.cfg.tools.enabled, "search"]

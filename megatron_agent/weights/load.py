@@ -122,7 +122,8 @@ def load_hf_weights(chunks: list, arch: ModelArch, model_path: str | Path, *, im
             for local_name, rule, layer in chunk_param_rules(chunk, arch, impl):
                 _, hf_names = rule.fill(layer)
                 param = params[local_name]
-                fill_from_hf(param, rule, [reader.get_slice(n) for n in hf_names], arch, tp_rank, tp_size)
+                concrete = ParamRule(local_name, hf_names, rule.kind)  # errors name real tensors
+                fill_from_hf(param, concrete, [reader.get_slice(n) for n in hf_names], arch, tp_rank, tp_size)
                 # The slices are views of the file's memory map, resident while it is open:
                 # closing the files after each parameter keeps that near one tensor.
                 reader.close()

@@ -1,15 +1,16 @@
 # The two commands of the README. Both create/refresh .venv/ first (fast when it is up to date).
 PY := .venv/bin/python
 RUN_DIR ?= runs/quickstart
+ARGS ?=
 
 .PHONY: install run test test-slow lint bench
 
 install:
 	@bash scripts/install.sh
 
-## The main job on CPU with the embedded defaults.
+## The main job on CPU with the embedded defaults (shorten with ARGS="trainer.total_steps=3").
 run: install
-	@bash scripts/quickstart.sh $(RUN_DIR)
+	@bash scripts/quickstart.sh $(RUN_DIR) $(ARGS)
 
 ## The test suite (CPU; slow and gpu tests excluded), plus lint.
 test: install

@@ -268,14 +268,16 @@ class SFTConfig:
     """jsonl or parquet of {"messages": [...], "tools": [...]}; empty means synthetic calculator demos."""
     num_synthetic: int = 2000
     """Synthetic demonstrations generated when data_path is empty."""
-    tool_use_rate: float = 0.5
-    """Share of synthetic demonstrations that call the calculator (the rest answer directly)."""
+    tool_use_rate: float = 0.3
+    """Share of synthetic demonstrations that call the calculator (the rest answer with a guess)."""
     batch_size: int = 32
     """Conversations per SFT step."""
-    lr: float = 1e-3
-    """SFT learning rate (constant after warmup)."""
-    warmup_steps: int = 10
+    lr: float = 2e-3
+    """SFT peak learning rate (linear warmup, then cosine decay to min_lr_ratio * lr)."""
+    warmup_steps: int = 20
     """Linear warmup steps of the SFT learning rate."""
+    min_lr_ratio: float = 0.1
+    """SFT learning rate at the last step, as a share of `lr`."""
     seed: int = 7
     """Seed of the synthetic demonstrations and their order."""
 

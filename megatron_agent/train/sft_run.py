@@ -9,7 +9,6 @@ global count of assistant tokens (`train.sft.sft_step`). The result is an atomic
 from __future__ import annotations
 
 import logging
-import random
 import time
 from pathlib import Path
 
@@ -44,21 +43,15 @@ def sft_examples(t) -> tuple[list[list[int]], list[list[int]], int]:
 
 
 def run_sft(t, log, out_dir: str | Path) -> Path:
-    """`sft.steps` optimizer steps over shuffled batches, logged as steps -N..-1; returns the checkpoint."""
+    """`sft.steps` optimizer steps (warmup, then cosine decay), logged as steps -N..-1; returns the checkpoint."""
+    from megatron_agent.train.sft import lr_at, sft_batches
+
     s = t.cfg.sft
     sequences, masks, num_skipped = sft_examples(t)
-    logger.info(
-        "SFT on %d conversations (%d rows skipped) for %d steps", len(sequences), num_skipped, s.steps
-    )
-    rng = random.Random(s.seed)
-    order: list[int] = []
+    logger.info("SFT on %d conversations (%d rows skipped) for %d steps", len(sequences), num_skipped, s.steps)
     for step in range(s.steps):
-        if len(order) < s.batch_size:
-            more = list(range(len(sequences)))
-            rng.shuffle(more)
-            order.extend(more)
-        chosen, order = order[: s.batch_size], order[s.batch_size :]
-        lr = s.lr * min(1.0, (step + 1) / max(1, s.warmup_steps))
+        chosen = sft_batches(len(sequences), s.batch_size, step, seed=s.seed)
+        lr = lr_at(step, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, min_lr_ratio=s.min_lr_ratio)
         start = time.perf_counter()
         results = t.actors.call("sft_step", [sequences[i] for i in chosen], [masks[i] for i in chosen], lr)
         metrics = next(r for r in results if r is not None)

@@ -93,7 +93,7 @@ def main() -> None:
     from megatron_agent.weights.load import load_hf_weights
     from tests.helpers.mp_logprobs_worker import sequences
 
-    results = {"logprobs": {}, "params_differ": {}, "num_params": {}}
+    results = {"logprobs": {}, "params_differ": {}, "num_params": {}, "rng_drawn": {}}
     for model_path in args.models:
         name = os.path.basename(model_path)
         arch = arch_from_hf_config(load_hf_config(model_path))
@@ -101,8 +101,13 @@ def main() -> None:
             tp, pp = map(int, layout.split("x"))
             opts = BuildOptions(tp=tp, pp=pp)
             init_model_parallel(tp, pp)
+            rng = torch.get_rng_state()
             fast = MegatronModel.from_hf(model_path, opts, trainable=False)
+            # Random initialisation draws from the RNG (Megatron's TP tracker is the CPU one
+            # here); a build without it leaves the state untouched.
+            fast_drew = not torch.equal(rng, torch.get_rng_state())
             old_chunks = build_model_chunks(arch, opts, trainable=False)
+            old_drew = not torch.equal(rng, torch.get_rng_state())
             load_the_old_way(old_chunks, arch, model_path)
             old = MegatronModel(old_chunks, arch, opts, trainable=False)
             key = f"{name}/{layout}"
@@ -119,6 +124,7 @@ def main() -> None:
             per_rank = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, (differ, sum(1 for c in fast.chunks for _ in c.parameters())))
             results["params_differ"][key] = sorted({n for d, _ in per_rank for n in d})
+            results["rng_drawn"][key] = {"fast": fast_drew, "old": old_drew}
             results["num_params"][key] = [n for _, n in per_rank]
             destroy_model_parallel()
 

@@ -60,6 +60,14 @@ def test_fast_build_parameters_equal_old_build(results, name, layout):
     assert all(n > 0 for n in results["num_params"][f"{name}/{layout}"])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fast_build_runs_no_random_initialisation(results, layout):
+    # Rank 0's CPU RNG (Megatron's init draws from it on CPU) is untouched by the fast build and
+    # advanced by the old one.
+    for name in FAMILIES:
+        assert results["rng_drawn"][f"{name}/{layout}"] == {"fast": False, "old": True}, name
+
+
 def test_checkpoint_loads_into_a_model_built_without_init(results):
     # qwen3 at TP2PP2: saved from the fast build, loaded by `checkpoint.load_checkpoint` into
     # uninitialised chunks (the verify / resume path), every parameter bitwise equal.

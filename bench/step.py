@@ -1,0 +1,156 @@
+"""Where the time of one RL step goes: generation, log-prob passes, advantages, update, sync, the rest.
+
+    .venv/bin/python bench/step.py [--config examples/quickstart/config.yaml] [--steps 3] [--warmup 1]
+        [key=value ...]
+
+Runs the real trainer in this process (the driver: `Trainer` + `rl_step`, as `train` does; Megatron
+ranks and the vLLM engine are Ray actors) on the quickstart config with its batch sizes
+(8 prompts x 8 samples, mini-batch 8); SFT is skipped (`sft.steps=0`, override to change it),
+plots are off, and the run folder is a temporary one. After `--warmup` untimed steps, `--steps`
+steps are timed; the table holds the median seconds of each phase over those steps and its share
+of the median step:
+
+    gen            agent-loop rollouts (timing_s/gen)
+    old_log_prob   actor forward on the worker (timing_s/old_log_prob)
+    ref            reference forward on the worker (timing_s/ref)
+    logprob_call   the driver's logprobs() call minus the two passes (Ray, batch transfer)
+    adv            rewards, advantages, mismatch metrics (timing_s/adv)
+    update         the PPO update, as the driver sees it (timing_s/update_actor)
+    sync           weight sync into the engines, verified (timing_s/update_weights)
+    rest           the step minus all of the above (batch building, metrics, rollout dump)
+
+The sync's own breakdown (send, finish, probe) follows the table. The last line is
+`overhead_ratio=X sync_share=Y`: the share of step time outside generation and update, and the
+sync's share (medians over the timed steps of the per-step ratios). Targets: overhead_ratio <=
+0.15, sync_share <= 0.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PHASES = ["gen", "old_log_prob", "ref", "logprob_call", "adv", "update", "sync", "rest"]
+SYNC_PARTS = ["sync/send_s", "sync/finish_s", "sync/probe_s", "sync/engine_load_s", "sync/checksum_s"]
+
+
+def phases_of(row: dict) -> dict[str, float]:
+    """Seconds per phase of one step's metrics (`rest` closes the sum to `timing_s/step`)."""
+    out = {
+        "gen": row["timing_s/gen"],
+        "old_log_prob": row["timing_s/old_log_prob"],
+        "ref": row["timing_s/ref"],
+        "logprob_call": max(
+            0.0, row["bench/logprobs_call_s"] - row["timing_s/old_log_prob"] - row["timing_s/ref"]
+        ),
+        "adv": row["timing_s/adv"],
+        "update": row["timing_s/update_actor"],
+        "sync": row["timing_s/update_weights"],
+    }
+    out["rest"] = row["timing_s/step"] - sum(out.values())
+    return out
+
+
+def ratios_of(row: dict) -> tuple[float, float]:
+    """(overhead_ratio, sync_share) of one step."""
+    step = row["timing_s/step"]
+    return (step - row["timing_s/gen"] - row["timing_s/update_actor"]) / step, row[
+        "timing_s/update_weights"
+    ] / step
+
+
+def time_logprobs_call(trainer) -> None:
+    """Record the driver-side wall time of `trainer.logprobs` in its returned metrics."""
+    inner = trainer.logprobs
+
+    def timed(batch):
+        start = time.perf_counter()
+        metrics = inner(batch)
+        return {**metrics, "bench/logprobs_call_s": time.perf_counter() - start}
+
+    trainer.logprobs = timed
+
+
+def run_steps(config: str, overrides: list[str], num_warmup: int, num_steps: int) -> list[dict]:
+    """Metrics of `num_warmup + num_steps` RL steps of a fresh trainer (warm-up rows first)."""
+    from megatron_agent.config import load_config
+    from megatron_agent.train.rl_loop import rl_step
+    from megatron_agent.train.trainer import Trainer
+
+    run_dir = tempfile.mkdtemp(prefix="bench_step_")
+    base = ["sft.steps=0", "logging.plot=false", "logging.progress_bars=false", f"trainer.run_dir={run_dir}"]
+    cfg = load_config(config, [*base, *overrides])
+    total = num_warmup + num_steps
+    trainer = Trainer(cfg)
+    rows = []
+    try:
+        trainer.start()
+        num_mini = cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
+        trainer.make_update(total * cfg.actor.ppo_epochs * num_mini)
+        first = trainer.sync()
+        if first["sync/verified"] != 1.0:
+            raise RuntimeError(
+                "the initial weight sync was not verified; the benchmark would time a broken run"
+            )
+        time_logprobs_call(trainer)
+        for step in range(1, total + 1):
+            row = rl_step(trainer, step)
+            if row["sync/verified"] != 1.0:
+                raise RuntimeError(f"step {step}: the weight sync was not verified")
+            rows.append(row)
+            print(
+                f"step {step}{' (warm-up)' if step <= num_warmup else ''}: {row['timing_s/step']:.2f} s, "
+                f"{int(row['rollout/num_trajectories'])} trajectories, "
+                f"response_length/mean {row['response_length/mean']:.1f}",
+                flush=True,
+            )
+    finally:
+        trainer.close()
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    """The table of median phase seconds and shares, the sync breakdown, and the last line."""
+    per_step = [phases_of(r) for r in rows]
+    step_s = statistics.median(r["timing_s/step"] for r in rows)
+    lines = [f"{'phase':<14}{'median_s':>10}{'share':>8}"]
+    for name in PHASES:
+        seconds = statistics.median(p[name] for p in per_step)
+        lines.append(f"{name:<14}{seconds:>10.3f}{seconds / step_s:>8.3f}")
+    lines.append(f"{'step':<14}{step_s:>10.3f}{1.0:>8.3f}")
+    parts = [
+        f"{k.split('/')[1]}={statistics.median(r[k] for r in rows):.3f}" for k in SYNC_PARTS if k in rows[0]
+    ]
+    lines.append("sync breakdown (median s): " + " ".join(parts))
+    tokens = statistics.median(r["perf/throughput"] * r["timing_s/step"] for r in rows)
+    lines.append(f"tokens per step (prompt + response, median): {tokens:.0f}")
+    overhead = statistics.median(ratios_of(r)[0] for r in rows)
+    sync_share = statistics.median(ratios_of(r)[1] for r in rows)
+    assert math.isfinite(overhead) and math.isfinite(sync_share)
+    lines.append(f"overhead_ratio={overhead:.4f} sync_share={sync_share:.4f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(REPO / "examples" / "quickstart" / "config.yaml"))
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (median kept)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
+    args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    rows = run_steps(args.config, args.overrides, args.warmup, args.steps)
+    print(report(rows[args.warmup :]))
+
+
+if __name__ == "__main__":
+    main()

@@ -56,11 +56,33 @@ def main(argv: list[str]) -> int:
     trainer, status = make_trainer(cfg)
     if trainer is None:
         return status
+    from megatron_agent.train.run_state import find_resume
+    from megatron_agent.train.signals import StopRequest
+
+    try:
+        resume_dir, state = find_resume(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    t = cfg.trainer
+    if state is not None and state["step"] >= t.total_steps:
+        print(
+            f"the run is already finished: {resume_dir} is at step {state['step']} of "
+            f"trainer.total_steps={t.total_steps}; nothing to do (raise trainer.total_steps to go on)"
+        )
+        return 0
+    with StopRequest() as stop:
+        return run(cfg, trainer, resume_dir, state, stop)
+
+
+def run(cfg, trainer, resume_dir, state, stop) -> int:
+    """Start the workers, restore or warm-start, and run the RL steps; returns the exit status."""
     from megatron_agent.config import config_to_dict
     from megatron_agent.platform.versions import check_versions
     from megatron_agent.train.cluster import WorkerError
     from megatron_agent.train.rl_loop import rl_step, validate
     from megatron_agent.train.run_log import RunLogger
+    from megatron_agent.train.run_state import restore_driver_state, rollout_seed
     from megatron_agent.train.sft_run import run_sft
 
     log = logging.getLogger("megatron_agent.train")
@@ -72,24 +94,49 @@ def main(argv: list[str]) -> int:
         return 2
     run_log = RunLogger(trainer.run_dir, cfg.logging, config_dict=config_to_dict(cfg))
     t = cfg.trainer
+    saver = Saver(cfg, trainer, run_log)
     try:
         trainer.start()
-        if cfg.sft.steps > 0 and not t.init_from:
-            ckpt = run_sft(trainer, run_log, trainer.run_dir / "sft" / "checkpoint")
-            log.info("SFT checkpoint: %s", ckpt)
-            trainer.actors.call("restart_from", str(ckpt))
-            trainer.actors.call("connect_engines", trainer.engines.workers)
         num_mini = cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
-        trainer.make_update(t.total_steps * cfg.actor.ppo_epochs * num_mini)
-        first = trainer.sync()
-        run_log.log(0, {**first, **validate(trainer)})
-        for step in range(1, t.total_steps + 1):
+        if state is not None:
+            saver.ref_from = state.get("ref_from", "")
+            if saver.ref_from:  # the reference is the SFT result: load it before the actor's state
+                trainer.actors.call("restart_from", saver.ref_from)
+                trainer.actors.call("connect_engines", trainer.engines.workers)
+            trainer.make_update(t.total_steps * cfg.actor.ppo_epochs * num_mini)
+            trainer.actors.call("load_state", str(resume_dir))
+            done = restore_driver_state(trainer, run_log, state)
+            saver.last_saved = done
+            trainer.sync()
+            print(f"resumed from {resume_dir} (step {done}); continuing at step {done + 1}")
+        else:
+            if cfg.sft.steps > 0 and not t.init_from:
+                ckpt = run_sft(trainer, run_log, trainer.run_dir / "sft" / "checkpoint")
+                log.info("SFT checkpoint: %s", ckpt)
+                trainer.actors.call("restart_from", str(ckpt))
+                trainer.actors.call("connect_engines", trainer.engines.workers)
+                saver.ref_from = str(ckpt)
+            trainer.make_update(t.total_steps * cfg.actor.ppo_epochs * num_mini)
+            first = trainer.sync()
+            run_log.log(0, {**first, **validate(trainer)})
+            done = 0
+        for step in range(done + 1, t.total_steps + 1):
+            if stop.requested:
+                break
+            trainer.engines.call("reseed", rollout_seed(cfg.rollout.seed, step))
             metrics = rl_step(trainer, step)
             if step == t.total_steps or (t.test_freq and step % t.test_freq == 0):
                 metrics.update(validate(trainer))
             run_log.log(step, metrics)
-        final = trainer.run_dir / "checkpoints" / f"step_{t.total_steps:06d}"
-        trainer.actors.call("save_checkpoint", str(final), trainer.model_path, {"step": t.total_steps})
+            done = step
+            if cfg.checkpoint.save_freq and step % cfg.checkpoint.save_freq == 0 and not stop.requested:
+                saver.save(done)
+        final = saver.save(done)
+        if stop.requested:
+            print(
+                f"stopped by {stop.name} after step {done}; checkpoint: {final}; resume with trainer.resume=auto"
+            )
+            return 0
         print(f"checkpoint: {final}\nmetrics: {run_log.metrics_path}\nplot: {run_log.plot_path}")
         return 0
     except WorkerError as exc:
@@ -98,3 +145,32 @@ def main(argv: list[str]) -> int:
     finally:
         run_log.close()
         trainer.close()
+
+
+class Saver:
+    """Whole-run checkpoints of the driver's run: save at a step, then rotate (checkpoint.keep_last)."""
+
+    def __init__(self, cfg, trainer, run_log):
+        self.cfg, self.trainer, self.run_log = cfg, trainer, run_log
+        self.ref_from = ""
+        self.last_saved: int | None = None
+
+    def save(self, step: int):
+        """Save the state after `step` (once per step), rotate, and return the folder."""
+        import time
+
+        from megatron_agent.train.run_state import checkpoint_root, driver_state, rotate, step_dir
+
+        root = checkpoint_root(self.cfg)
+        path = step_dir(root, step)
+        if self.last_saved == step and path.is_dir():
+            return path
+        start = time.perf_counter()
+        state = driver_state(self.trainer, self.run_log, step, self.ref_from)
+        self.trainer.actors.call("save_state", str(path), self.trainer.model_path, state)
+        rotate(root, self.cfg.checkpoint.keep_last)
+        self.last_saved = step
+        logging.getLogger("megatron_agent.train").info(
+            "checkpoint %s saved in %.1f s", path, time.perf_counter() - start
+        )
+        return path

@@ -9,6 +9,7 @@ return None.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -234,3 +235,52 @@ class MegatronWorker:
             ckpt_dir, self.actor.chunks, self.actor.arch, hf_dir=hf_dir, overwrite=True, extra_meta=extra_meta
         )
         return ckpt_dir
+
+    # --------------------------------------------------------------------------------- run state
+    def save_state(self, ckpt_dir: str, hf_dir: str, driver_state: dict) -> str:
+        """Collective: a whole-run checkpoint (weights, optimizer, scheduler, counters, RNG), atomic.
+
+        `driver_state` (step, sampler, history, ...) is written by rank 0 to trainer/driver.json.
+        """
+        from megatron_agent.checkpoint.model_io import save_checkpoint
+        from megatron_agent.train.run_state import DRIVER_FILE, STATE_DIR
+        from megatron_agent.train.worker_state import rng_state, save_optimizer, trainer_state
+
+        def write_optimizer(folder):
+            save_optimizer(self.actor, folder)
+
+        def write_trainer(folder):
+            torch.save(rng_state(), folder / f"rng_rank{self.rank:05d}.pt")
+            if self.rank == 0:
+                torch.save(trainer_state(self.update), folder / "worker.pt")
+                (folder / DRIVER_FILE).write_text(json.dumps(driver_state))
+
+        Path(ckpt_dir).parent.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(
+            ckpt_dir,
+            self.actor.chunks,
+            self.actor.arch,
+            hf_dir=hf_dir,
+            overwrite=True,
+            extra_meta={"step": driver_state["step"], "run_state": True},
+            extra_writers={"optim": write_optimizer, STATE_DIR: write_trainer},
+        )
+        return ckpt_dir
+
+    def load_state(self, ckpt_dir: str) -> int:
+        """Collective: restore what `save_state` wrote (at any TP x PP layout); returns the step.
+
+        The driver has verified every checksum already; here sizes are checked again. The
+        update (`make_update`) must exist. A rank without its own RNG file (the layout grew)
+        seeds from (trainer.seed, rank) and says so.
+        """
+        from megatron_agent.checkpoint.model_io import load_checkpoint
+        from megatron_agent.train.run_state import STATE_DIR
+        from megatron_agent.train.worker_state import load_optimizer, load_trainer_state, set_rng_state
+
+        meta = load_checkpoint(ckpt_dir, self.actor.chunks, self.actor.arch, verify=False)
+        load_optimizer(self.actor, Path(ckpt_dir) / "optim")
+        folder = Path(ckpt_dir) / STATE_DIR
+        load_trainer_state(self.update, torch.load(folder / "worker.pt", weights_only=False))
+        set_rng_state(folder / f"rng_rank{self.rank:05d}.pt", seed=self.cfg.trainer.seed + self.rank)
+        return int(meta["step"])

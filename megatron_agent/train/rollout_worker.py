@@ -44,6 +44,17 @@ class RolloutWorker:
         finally:
             self.loop.config = base
 
+    def reseed(self, seed: int) -> None:
+        """Seed this process's python/numpy/torch RNGs (vLLM samples from torch's) with seed + rank."""
+        import random
+
+        import numpy as np
+        import torch
+
+        random.seed(seed + self.rank)
+        np.random.seed((seed + self.rank) % 2**32)
+        torch.manual_seed(seed + self.rank)
+
     def weight_version(self) -> int:
         """The engine's weight version (bumped by every sync)."""
         return self.engine.weight_version

@@ -1,0 +1,168 @@
+"""Whole-run checkpoints, driver side: where they live, which one a run resumes from, what the
+driver itself saves, and the keep-last rotation.
+
+A run checkpoint is `<checkpoint.save_dir or run_dir/checkpoints>/step_NNNNNN/`, written by the
+Megatron ranks (`MegatronWorker.save_state`) through `checkpoint.model_io.save_checkpoint`, so it
+is published atomically (staging folder, checksummed manifest, rename) and loads at any layout:
+
+```
+step_NNNNNN/
+  model/               actor weights (Megatron dist checkpoint)
+  optim/               actor optimizer state (dist checkpoint, fully reshardable)
+  trainer/worker.pt    LR scheduler, PPO optimizer-step counter, guard counters (rank 0)
+  trainer/rng_rank*.pt python / numpy / torch RNG states of every Megatron rank
+  trainer/driver.json  step, sampler position, metrics history, driver RNG, rollout seed base
+  hf/  meta.json  manifest.json
+```
+Dynamic sampling keeps no groups across steps (a step draws until its batch is full and drops
+the rest), so there is no buffer to save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import shutil
+from pathlib import Path
+
+from megatron_agent.checkpoint.manifest import CheckpointIntegrityError, verify_manifest
+
+logger = logging.getLogger("megatron_agent.train")
+
+STATE_DIR = "trainer"
+DRIVER_FILE = "driver.json"
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def checkpoint_root(cfg) -> Path:
+    """`checkpoint.save_dir`, or `<trainer.run_dir>/checkpoints`."""
+    return Path(cfg.checkpoint.save_dir or Path(cfg.trainer.run_dir) / "checkpoints")
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """The folder of the checkpoint after `step`."""
+    return Path(root) / f"step_{step:06d}"
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every `step_NNNNNN` folder under `root`, oldest first (not verified)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def check_run_checkpoint(path: str | Path, *, hashes: bool = True) -> dict:
+    """Verify a run checkpoint (every file against the manifest) and return its driver state.
+
+    Raises `CheckpointIntegrityError` naming the bad file, or ValueError for a weights-only
+    checkpoint (e.g. from `sft`), which cannot be resumed from.
+    """
+    path = Path(path)
+    verify_manifest(path, hashes=hashes)
+    driver = path / STATE_DIR / DRIVER_FILE
+    if not driver.is_file():
+        raise ValueError(
+            f"{path} holds no trainer state ({driver} missing): it is a weights-only checkpoint; "
+            "start from it with trainer.init_from instead of trainer.resume"
+        )
+    return json.loads(driver.read_text())
+
+
+def find_resume(cfg) -> tuple[Path | None, dict | None]:
+    """The checkpoint `trainer.resume` selects and its driver state, or (None, None).
+
+    'never': none. 'auto': the newest complete checkpoint under `checkpoint_root(cfg)`; a corrupt
+    or incomplete one is refused with a warning naming the file, and the previous one is tried.
+    A PATH must verify, else the error (naming the file) is raised.
+    """
+    mode = cfg.trainer.resume
+    if mode == "never":
+        return None, None
+    if mode != "auto":
+        path = Path(mode)
+        if not path.is_dir():
+            raise FileNotFoundError(f"trainer.resume={mode!r}: no such checkpoint folder")
+        return path, check_run_checkpoint(path)
+    for _step, path in reversed(list_checkpoints(checkpoint_root(cfg))):
+        try:
+            return path, check_run_checkpoint(path)
+        except (CheckpointIntegrityError, ValueError) as exc:
+            logger.warning("refusing checkpoint %s: %s; trying the previous one", path, exc)
+    return None, None
+
+
+def rollout_seed(base: int, step: int) -> int:
+    """The rollout engines' seed for `step` (engine i adds i): a resumed step samples as it would have."""
+    return (base * 1_000_003 + step * 7919) % (2**31 - 1)
+
+
+def driver_state(trainer, run_log, step: int, ref_from: str) -> dict:
+    """What the driver saves: step, sampler position, metrics history, its RNG and the rollout seed.
+
+    `ref_from`: the checkpoint the reference weights came from ('' for model.path or init_from).
+    """
+    from megatron_agent.train.run_log import to_json_value
+
+    return {
+        "step": step,
+        "total_steps": trainer.cfg.trainer.total_steps,
+        "sampler": trainer.sampler.state_dict(),
+        "history": [{k: to_json_value(v) for k, v in row.items()} for row in run_log.history],
+        "python_rng": _jsonable_rng(random.getstate()),
+        "rollout_seed": trainer.cfg.rollout.seed,
+        "ref_from": ref_from,
+    }
+
+
+def restore_driver_state(trainer, run_log, state: dict) -> int:
+    """Put the sampler, the metrics history and the driver RNG back; returns the saved step."""
+    trainer.sampler.load_state_dict(state["sampler"])
+    run_log.load_history(state["history"])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    if state.get("rollout_seed", trainer.cfg.rollout.seed) != trainer.cfg.rollout.seed:
+        logger.warning(
+            "rollout.seed=%s differs from the checkpoint's %s: resumed rollouts sample differently",
+            trainer.cfg.rollout.seed,
+            state["rollout_seed"],
+        )
+    return int(state["step"])
+
+
+def _jsonable_rng(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def rotate(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints (0: keep all); returns the deleted.
+
+    Run right after a save is published. Complete means the manifest's files are all present at
+    their recorded sizes; the newest complete one is never deleted, and damaged folders or
+    leftover staging folders older than it are removed too (they can never be resumed from).
+    """
+    root = Path(root)
+    if keep_last <= 0:
+        return []
+    found = list_checkpoints(root)
+    complete = []
+    for _, path in found:
+        try:
+            verify_manifest(path, hashes=False)
+            complete.append(path)
+        except CheckpointIntegrityError:
+            pass
+    if not complete:
+        return []
+    keep = set(complete[-keep_last:])
+    newest_step = max(s for s, p in found if p == complete[-1])
+    doomed = [p for s, p in found if p not in keep and (p in complete or s < newest_step)]
+    doomed += [p for p in root.glob(".step_*.tmp-*") if p.is_dir()]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+        logger.info("removed old checkpoint %s (checkpoint.keep_last=%d)", path, keep_last)
+    return doomed

@@ -1,0 +1,222 @@
+"""Whole-run checkpoints, resume and stop signals, on the real stack (`python -m megatron_agent train`).
+
+One uninterrupted reference run (4 steps, a checkpoint every step, keep_last=2, 4 tasks: an epoch
+is 2 steps) is compared with a run stopped by SIGTERM during step 2 and resumed, and with a
+resume from a copy of the reference whose newest checkpoint was altered (at TP2 instead of TP1).
+The driver-side pieces (rotation, resume choice, signals) are also tested on their own.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_agent.checkpoint.manifest import write_manifest
+from tests.conftest import REPO
+
+TINY = [
+    "sft.steps=0",
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=1",
+    "rollout.n=2",
+    "rollout.max_new_tokens=24",
+    "data.num_synthetic_tasks=4",
+    "data.num_synthetic_val_tasks=2",
+    "trainer.total_steps=4",
+    "trainer.test_freq=0",
+    "logging.plot=false",
+]
+
+
+def _cmd(run_dir, *overrides):
+    return [
+        sys.executable,
+        "-m",
+        "megatron_agent",
+        "train",
+        "--config",
+        "examples/quickstart/config.yaml",
+        f"trainer.run_dir={run_dir}",
+        *TINY,
+        *overrides,
+    ]
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _run(run_dir, *overrides, timeout=900):
+    proc = subprocess.run(
+        _cmd(run_dir, *overrides), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+    return proc
+
+
+def _ok(proc):
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def _task_uids(run_dir, step):
+    rows = (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
+    return sorted(json.loads(line)["uid"].rsplit("/", 1)[0] for line in rows)
+
+
+def _metric_steps(run_dir):
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoints(run_dir):
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("resume") / "reference"
+    proc = _ok(_run(run_dir, "checkpoint.save_freq=1", "checkpoint.keep_last=2"))
+    return run_dir, proc
+
+
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory):
+    """A run stopped by SIGTERM as soon as step 1 is dumped (so during step 2), then resumed."""
+    run_dir = tmp_path_factory.mktemp("resume") / "signalled"
+    proc = subprocess.Popen(
+        _cmd(run_dir), cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 900
+    while not (run_dir / "rollouts" / "step_000001.jsonl").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "step 1 never finished"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=600)
+    stopped = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    _ok(stopped)
+    saved = _checkpoints(run_dir)
+    resumed = _ok(_run(run_dir))
+    return run_dir, stopped, saved, resumed
+
+
+def test_keep_last_keeps_the_newest_complete_checkpoints(reference):
+    run_dir, proc = reference
+    assert _checkpoints(run_dir) == ["step_000003", "step_000004"]
+    ckpt = run_dir / "checkpoints" / "step_000004"
+    for part in ("model", "optim", "trainer/worker.pt", "trainer/rng_rank00000.pt", "manifest.json"):
+        assert (ckpt / part).exists(), part
+    driver = json.loads((ckpt / "trainer" / "driver.json").read_text())
+    assert driver["step"] == 4 and driver["sampler"] == {**driver["sampler"], "epoch": 2, "position": 0}
+    assert [r["step"] for r in driver["history"]] == [0, 1, 2, 3, 4]
+
+
+def test_finished_run_exits_0_without_training(reference):
+    run_dir, _ = reference
+    before = (run_dir / "metrics.jsonl").read_text()
+    proc = _ok(_run(run_dir, "checkpoint.save_freq=1", "checkpoint.keep_last=2", timeout=300))
+    assert "already finished" in proc.stdout and "step 4 of trainer.total_steps=4" in proc.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert _checkpoints(run_dir) == ["step_000003", "step_000004"]
+
+
+def test_sigterm_saves_exits_0_and_resume_continues_with_the_same_prompts(reference, signalled):
+    ref_dir, _ = reference
+    run_dir, stopped, saved, resumed = signalled
+    assert "SIGTERM received" in stopped.stderr
+    stop_step = int(stopped.stdout.split("stopped by SIGTERM after step ")[1].split(";")[0])
+    assert 1 <= stop_step < 4
+    assert saved == [f"step_{stop_step:06d}"]  # save_freq=0: only the signal's save
+    assert f"continuing at step {stop_step + 1}" in resumed.stdout
+    assert _metric_steps(run_dir) == [0, 1, 2, 3, 4]  # no step lost or repeated
+    for step in range(1, 5):  # step 3 opens the second epoch
+        assert _task_uids(run_dir, step) == _task_uids(ref_dir, step), step
+    driver = json.loads((run_dir / "checkpoints" / "step_000004" / "trainer" / "driver.json").read_text())
+    assert driver["sampler"]["epoch"] == 2 and driver["sampler"]["position"] == 0
+
+
+def test_altered_checkpoint_is_refused_and_the_previous_one_resumed_at_another_layout(reference, tmp_path):
+    ref_dir, _ = reference
+    run_dir = tmp_path / "copy"
+    shutil.copytree(ref_dir, run_dir, ignore=shutil.ignore_patterns("logs"))
+    bad = run_dir / "checkpoints" / "step_000004" / "optim" / "__0_0.distcp"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    proc = _ok(_run(run_dir, "parallel.tp=2", "checkpoint.keep_last=2"))
+    assert f"checkpoint file altered: {bad}" in proc.stderr
+    assert "resumed from" in proc.stdout and "step_000003 (step 3)" in proc.stdout
+    assert _metric_steps(run_dir) == [0, 1, 2, 3, 4]
+    assert _task_uids(run_dir, 4) == _task_uids(ref_dir, 4)
+    assert _checkpoints(run_dir) == ["step_000003", "step_000004"]  # the altered one replaced
+
+
+# ------------------------------------------------------------------------------- driver side only
+def _fake_checkpoint(root, step, *, complete=True):
+    from megatron_agent.train.run_state import step_dir
+
+    path = step_dir(root, step)
+    (path / "trainer").mkdir(parents=True)
+    (path / "model.bin").write_bytes(b"w" * 64)
+    (path / "trainer" / "driver.json").write_text(json.dumps({"step": step}))
+    if complete:
+        write_manifest(path, fsync=False)
+    return path
+
+
+def test_rotation_never_deletes_the_only_complete_checkpoint(tmp_path):
+    from megatron_agent.train.run_state import rotate
+
+    root = tmp_path / "checkpoints"
+    _fake_checkpoint(root, 1)
+    _fake_checkpoint(root, 2, complete=False)  # no manifest: an interrupted save
+    assert rotate(root, 1) == []
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000002"]
+    c3 = _fake_checkpoint(root, 3)
+    (c3 / "model.bin").write_bytes(b"w" * 10)  # truncated: not complete
+    (root / ".step_000004.tmp-abcd1234").mkdir()  # a staging folder left by a crash
+    assert [p.name for p in rotate(root, 1)] == [".step_000004.tmp-abcd1234"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000002", "step_000003"]
+    _fake_checkpoint(root, 5)
+    rotate(root, 1)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000005"]
+
+
+def test_find_resume_modes(tmp_path, caplog):
+    from megatron_agent.config import load_config
+    from megatron_agent.train.run_state import find_resume
+
+    root = tmp_path / "ckpts"
+    _fake_checkpoint(root, 1)
+    c2 = _fake_checkpoint(root, 2)
+    (c2 / "model.bin").write_bytes(b"x" * 64)  # same size, other bytes
+    cfg = load_config(None, [f"checkpoint.save_dir={root}", f"trainer.run_dir={tmp_path}"])
+    path, state = find_resume(cfg)
+    assert path.name == "step_000001" and state == {"step": 1}
+    assert f"checkpoint file altered: {c2 / 'model.bin'}" in caplog.text
+    cfg.trainer.resume = "never"
+    assert find_resume(cfg) == (None, None)
+    cfg.trainer.resume = str(c2)
+    with pytest.raises(ValueError, match="model.bin"):
+        find_resume(cfg)
+    cfg.trainer.resume = str(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="nope"):
+        find_resume(cfg)
+
+
+def test_first_signal_sets_the_flag_second_stops_at_once():
+    from megatron_agent.train.signals import ForcedStop, StopRequest
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    with StopRequest() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested and stop.name == "SIGUSR1"
+        with pytest.raises(ForcedStop) as exc:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert exc.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGUSR1) == previous

@@ -107,6 +107,7 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
             trainer.actors.call("load_state", str(resume_dir))
             done = restore_driver_state(trainer, run_log, state)
             saver.last_saved = done
+            trainer.engines.call("set_weight_version", done)  # as if steps 1..done had synced
             trainer.sync()
             print(f"resumed from {resume_dir} (step {done}); continuing at step {done + 1}")
         else:

@@ -55,6 +55,10 @@ class RolloutWorker:
         np.random.seed((seed + self.rank) % 2**32)
         torch.manual_seed(seed + self.rank)
 
+    def set_weight_version(self, version: int) -> None:
+        """Continue the version count of a resumed run (the next sync makes it `version + 1`)."""
+        self.engine.weight_version = int(version)
+
     def weight_version(self) -> int:
         """The engine's weight version (bumped by every sync)."""
         return self.engine.weight_version

@@ -63,9 +63,12 @@ def _ok(proc):
     return proc
 
 
+def _dump(run_dir, step):
+    return (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
+
+
 def _task_uids(run_dir, step):
-    rows = (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
-    return sorted(json.loads(line)["uid"].rsplit("/", 1)[0] for line in rows)
+    return sorted(json.loads(line)["uid"].rsplit("/", 1)[0] for line in _dump(run_dir, step))
 
 
 def _metric_steps(run_dir):
@@ -135,6 +138,8 @@ def test_sigterm_saves_exits_0_and_resume_continues_with_the_same_prompts(refere
     assert _metric_steps(run_dir) == [0, 1, 2, 3, 4]  # no step lost or repeated
     for step in range(1, 5):  # step 3 opens the second epoch
         assert _task_uids(run_dir, step) == _task_uids(ref_dir, step), step
+        versions = {json.loads(line)["weight_version"] for line in _dump(run_dir, step)}
+        assert versions == {step}, (step, versions)
     driver = json.loads((run_dir / "checkpoints" / "step_000004" / "trainer" / "driver.json").read_text())
     assert driver["sampler"]["epoch"] == 2 and driver["sampler"]["position"] == 0
 

@@ -284,39 +284,37 @@ class RayEndpoint:
         self.actor = actor
         self.name = name or f"Ray actor {actor._actor_id.hex()[:12]}"
 
-    def call(self, method: str, *args, **kwargs) -> EngineCall:
+    def call(self, method: str, *args, **kwargs) -> _RayCall:
         """Submit the call to the actor; `result(timeout)` is `ray.get` with the actor's errors as SyncError."""
-        ref = self.actor.sync_call.remote(method, *args, **kwargs)
-        f: Future = Future()
-
-        def wait(timeout=None):
-            import ray
-            from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-            try:
-                return ray.get(ref, timeout=timeout)
-            except GetTimeoutError as e:
-                raise SyncError(
-                    f"{self.name} did not answer {method!r} within {timeout:.0f} s "
-                    "(hung or stopped; raise sync.timeout_s if it is only slow)"
-                ) from e
-            except RayActorError as e:
-                raise SyncError(f"{self.name} died during {method!r}: {e}") from e
-            except RayTaskError as e:
-                raise SyncError(f"{self.name}: {method!r} failed: {e.cause or e}") from e
-
-        return _RayCall(wait, f)
+        return _RayCall(self.actor.sync_call.remote(method, *args, **kwargs), self.name, method)
 
 
-class _RayCall(EngineCall):
-    def __init__(self, wait, future):
-        self._wait = wait
-        self._future = future
+class _RayCall:
+    """The pending answer of one Ray actor call."""
+
+    def __init__(self, ref, name: str, method: str):
+        self.ref, self.name, self.method = ref, name, method
 
     def result(self, timeout: float | None = None) -> Any:
-        """`ray.get(ref, timeout)`, errors as SyncError."""
-        return self._wait(timeout)
+        """`ray.get(ref, timeout)`; a timeout, a dead actor or an error inside it as SyncError."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(self.ref, timeout=timeout)
+        except GetTimeoutError as e:
+            raise SyncError(
+                f"{self.name} did not answer {self.method!r} within {timeout:.0f} s "
+                "(hung or stopped; raise sync.timeout_s if it is only slow)"
+            ) from e
+        except RayActorError as e:
+            raise SyncError(f"{self.name} died during {self.method!r}: {e}") from e
+        except RayTaskError as e:
+            raise SyncError(f"{self.name}: {self.method!r} failed: {e.cause or e}") from e
 
     def done(self) -> bool:
-        """Unknown without waiting; always False."""
-        return False
+        """Whether the answer is there."""
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=0)
+        return bool(ready)

@@ -91,14 +91,16 @@ def engine_kwargs(cache_dir):
 def train(model, steps=2, seed=0):
     """A few optimizer steps of next-token NLL on random sequences (weights change visibly)."""
     g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, 330, (n,), generator=g).tolist() for n in (20, 12, 30)]
+    # Four micro-batches of one sequence each: the interleaved (VPP) schedule needs a multiple
+    # of the pipeline size (with one micro-batch it waits forever in its p2p exchange).
+    seqs = [torch.randint(0, 330, (24,), generator=g).tolist() for _ in range(4)]
 
     def loss_fn(mb, logp_BT, entropy_BT):
         mask = mb.valid_BT
-        return -(torch.where(mask > 0, logp_BT, 0.0)).sum() / 59.0, {}
+        return -(torch.where(mask > 0, logp_BT, 0.0)).sum() / 92.0, {}
 
     for _ in range(steps):
-        model.train_step(seqs, loss_fn, max_tokens=64)
+        model.train_step(seqs, loss_fn, max_tokens=32)
 
 
 def start_engines(models, cache_dir):

@@ -16,6 +16,9 @@ import torch
 from tests.conftest import REPO
 from tests.sync.conftest import EXPORT_LAYOUT, LAYOUT_MODELS, SMALL_BUCKETS
 
+# The launch (5 layouts, 4 engines) takes about 4 minutes on a lightly loaded 2-core machine.
+pytestmark = pytest.mark.timeout(2400)
+
 
 @pytest.mark.parametrize("layout", list(LAYOUT_MODELS))
 def test_engine_matches_actor_after_every_sync(sync_layouts, layout):

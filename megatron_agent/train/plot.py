@@ -78,8 +78,14 @@ def plot_metrics(rows: Sequence[Mapping[str, float]], path: str | Path, title: s
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 4, sharex=True).ravel()
     last_step = rows[-1]["step"] if rows else None
-    first_step = rows[0]["step"] if rows else 0
     heading = f"{title}  (step {last_step})" if title else f"step {last_step}"
+    sft_rows = [r for r in rows if r["step"] < 0]
+    if sft_rows and len(sft_rows) < len(rows):
+        # Once RL runs, its steps get the whole x axis; the SFT phase is summarised in the title.
+        final = sft_rows[-1].get("sft/loss", math.nan)
+        heading += f"    (after {len(sft_rows)} SFT steps, final SFT loss {final:.3g})"
+        rows = rows[len(sft_rows) :]
+    first_step = rows[0]["step"] if rows else 0
     if first_step < 0:
         heading += "    shaded: SFT steps (logged as -N..-1)"
     fig.suptitle(heading, fontsize=13)

@@ -59,6 +59,12 @@ class RolloutWorker:
         """Continue the version count of a resumed run (the next sync makes it `version + 1`)."""
         self.engine.weight_version = int(version)
 
+    def tool_metrics(self) -> dict[str, float]:
+        """`tool/unsandboxed` (since the last call) and `tool/sandboxed` of this engine's tools."""
+        from megatron_agent.envs.tools import sandbox_metrics
+
+        return sandbox_metrics(self.loop.tools)
+
     def weight_version(self) -> int:
         """The engine's weight version (bumped by every sync)."""
         return self.engine.weight_version

@@ -242,6 +242,15 @@ class Trainer:
             out.extend(by_task[id(task)].pop(0))
         return out
 
+    def tool_metrics(self) -> dict[str, float]:
+        """Sandbox metrics of the engines' tools: unsandboxed calls summed, sandboxed if all are."""
+        merged: dict[str, float] = {}
+        for m in self.engines.call("tool_metrics"):
+            if "tool/unsandboxed" in m:
+                merged["tool/unsandboxed"] = merged.get("tool/unsandboxed", 0.0) + m["tool/unsandboxed"]
+                merged["tool/sandboxed"] = min(merged.get("tool/sandboxed", 1.0), m["tool/sandboxed"])
+        return merged
+
     def logprobs(self, batch: RLBatch) -> dict[str, float]:
         """Fill `old_logp`, `ref_logp` and `entropy` of `batch` (actor and reference, forward only)."""
         results = [r for r in self.actors.call("logprobs", batch.sequences) if r is not None]

@@ -1,0 +1,38 @@
+"""The quickstart learns: validation accuracy at the last step is >= 0.15 above step 0 (after SFT),
+for two seeds. Slow (the whole `make run` job twice); run with `make test-slow`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_quickstart_validation_accuracy_rises(tmp_path, seed):
+    run_dir = tmp_path / f"seed{seed}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_agent",
+        "train",
+        "--config",
+        "examples/quickstart/config.yaml",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.seed={seed}",
+        f"sft.seed={7 + seed}",
+        f"data.seed={1234 + seed}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=3600
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
+    first, last = val[0], val[max(val)]
+    print(f"seed {seed}: val/accuracy {val}")
+    assert last >= first + 0.15, val

@@ -79,7 +79,7 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
     """Start the workers, restore or warm-start, and run the RL steps; returns the exit status."""
     from megatron_agent.config import config_to_dict
     from megatron_agent.platform.versions import check_versions
-    from megatron_agent.train.cluster import WorkerError
+    from megatron_agent.train.cluster import WorkerError, start_ray, stop_ray
     from megatron_agent.train.rl_loop import rl_step, validate
     from megatron_agent.train.run_log import RunLogger
     from megatron_agent.train.run_state import restore_driver_state, rollout_seed
@@ -95,7 +95,11 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
     run_log = RunLogger(trainer.run_dir, cfg.logging, config_dict=config_to_dict(cfg))
     t = cfg.trainer
     saver = Saver(cfg, trainer, run_log)
+    started_ray = False
     try:
+        # ray.init installs Ray's own SIGTERM handler (a crash report): start Ray first, then ours.
+        started_ray = start_ray(cfg.ray.address, cfg.ray.num_cpus)
+        stop.install()
         trainer.start()
         num_mini = cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
         if state is not None:
@@ -146,6 +150,8 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
     finally:
         run_log.close()
         trainer.close()
+        if started_ray:
+            stop_ray()
 
 
 class Saver:

@@ -56,9 +56,14 @@ class StopRequest:
             flush=True,
         )
 
-    def __enter__(self) -> StopRequest:
+    def install(self) -> None:
+        """(Re)install the handlers: call again after `ray.init`, whose core worker replaces them."""
         for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
+
+    def __enter__(self) -> StopRequest:
+        self.install()
         return self
 
     def __exit__(self, *exc) -> None:

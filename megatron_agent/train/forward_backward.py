@@ -204,13 +204,15 @@ def forward_backward(
 
 
 def pad_for_interleaving(micro_batches: list[MicroBatch], pp: int) -> list[MicroBatch]:
-    """Make the micro-batch count a multiple of `pp`, as Megatron's interleaved schedule needs.
+    """Make the micro-batch count a multiple of `pp`, and at least 2 * pp, as Megatron's
+    interleaved schedule needs (with exactly `pp` micro-batches its all-warm-up path deadlocks
+    in the p2p exchange of a forward-backward pass, measured at PP2 x VPP2 over gloo).
 
     Splits the micro-batch with the most rows while one has more than one row; after that,
     appends dummy copies (zero loss, output dropped).
     """
     batches = list(micro_batches)
-    while len(batches) % pp:
+    while len(batches) % pp or len(batches) < 2 * pp:
         widest = max(range(len(batches)), key=lambda k: batches[k].input_ids_BS.shape[0])
         mb = batches[widest]
         rows = mb.input_ids_BS.shape[0]

@@ -30,6 +30,7 @@ TINY = [
     "trainer.total_steps=4",
     "trainer.test_freq=0",
     "logging.plot=false",
+    "actor.lr_decay=linear",  # a different learning rate at every step: the schedule must resume
 ]
 
 
@@ -73,6 +74,11 @@ def _task_uids(run_dir, step):
 
 def _metric_steps(run_dir):
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _lrs(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["actor/lr"] for r in rows if r["step"] >= 1]
 
 
 def _checkpoints(run_dir):
@@ -136,6 +142,7 @@ def test_sigterm_saves_exits_0_and_resume_continues_with_the_same_prompts(refere
     assert saved == [f"step_{stop_step:06d}"]  # save_freq=0: only the signal's save
     assert f"continuing at step {stop_step + 1}" in resumed.stdout
     assert _metric_steps(run_dir) == [0, 1, 2, 3, 4]  # no step lost or repeated
+    assert _lrs(run_dir) == _lrs(ref_dir) and len(set(_lrs(ref_dir))) == 4
     for step in range(1, 5):  # step 3 opens the second epoch
         assert _task_uids(run_dir, step) == _task_uids(ref_dir, step), step
         versions = {json.loads(line)["weight_version"] for line in _dump(run_dir, step)}
@@ -156,6 +163,7 @@ def test_altered_checkpoint_is_refused_and_the_previous_one_resumed_at_another_l
     assert f"checkpoint file altered: {bad}" in proc.stderr
     assert "resumed from" in proc.stdout and "step_000003 (step 3)" in proc.stdout
     assert _metric_steps(run_dir) == [0, 1, 2, 3, 4]
+    assert _lrs(run_dir) == _lrs(ref_dir)
     assert _task_uids(run_dir, 4) == _task_uids(ref_dir, 4)
     assert _checkpoints(run_dir) == ["step_000003", "step_000004"]  # the altered one replaced
 

@@ -29,6 +29,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from megatron_agent.data.tasks import read_rows
+
 logger = logging.getLogger(__name__)
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -86,23 +88,6 @@ def parse_sft_row(row: Any) -> dict:
     return {"messages": clean, "tools": tools}
 
 
-def _raw_rows(path: Path):
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for num, row in enumerate(pq.read_table(path).to_pylist(), 1):
-            yield num, row, None
-        return
-    with open(path) as f:
-        for num, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield num, json.loads(line), None
-            except json.JSONDecodeError as exc:
-                yield num, None, f"not JSON ({exc})"
-
-
 def load_sft_rows(path: str | os.PathLike) -> tuple[list[dict], int]:
     """Rows of a .jsonl or .parquet SFT file and the number of bad rows skipped (each warned about)."""
     path = Path(path)
@@ -111,7 +96,7 @@ def load_sft_rows(path: str | os.PathLike) -> tuple[list[dict], int]:
     if not path.exists():
         raise ValueError(f"SFT file {path} does not exist")
     rows, num_skipped = [], 0
-    for num, row, error in _raw_rows(path):
+    for num, row, error in read_rows(path):
         try:
             if error:
                 raise ValueError(error)

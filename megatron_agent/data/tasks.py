@@ -86,7 +86,8 @@ def parse_task(row: Any, row_num: int) -> Task:
     )
 
 
-def _raw_rows(path: Path):
+def read_rows(path: Path):
+    """(row number, row or None, error or None) for each row of a .jsonl or .parquet file."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -111,7 +112,7 @@ def load_tasks(path: str | os.PathLike) -> tuple[list[Task], int]:
     if not path.exists():
         raise ValueError(f"task file {path} does not exist")
     tasks, num_skipped, seen = [], 0, set()
-    for num, row, error in _raw_rows(path):
+    for num, row, error in read_rows(path):
         try:
             if error:
                 raise ValueError(error)

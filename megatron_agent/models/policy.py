@@ -124,6 +124,20 @@ class MegatronModel:
 
         Returns the list on the last pipeline stage and None elsewhere.
         """
+        logp, _ = self.forward_only(
+            sequences, max_tokens=max_tokens, with_entropy=with_entropy, chunk_tokens=chunk_tokens
+        )
+        return logp
+
+    def forward_only(
+        self,
+        sequences: Sequence[Sequence[int]],
+        *,
+        max_tokens: int = 4096,
+        with_entropy: bool = False,
+        chunk_tokens: int = 1024,
+    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """(log-probs, entropies or None), [L-1] fp32 each, on the last pipeline stage; (None, None) elsewhere."""
         from megatron.core import parallel_state as ps
 
         self.onload()
@@ -140,8 +154,10 @@ class MegatronModel:
                 chunk_tokens=chunk_tokens,
             )
         if not ps.is_pipeline_last_stage():
-            return None
-        return gather_per_sequence(outputs, "logprobs", len(sequences))
+            return None, None
+        logp = gather_per_sequence(outputs, "logprobs", len(sequences))
+        entropy = gather_per_sequence(outputs, "entropy", len(sequences)) if with_entropy else None
+        return logp, entropy
 
     def train_step(
         self,

@@ -16,7 +16,7 @@ import torch
 from megatron_agent.rl import GuardBatch, StepGuard, agg_loss, compute_kl_loss, compute_policy_loss
 from megatron_agent.rl.aggregate import global_batch_counts
 from megatron_agent.train.batch import RLBatch, dp_shard
-from megatron_agent.train.forward_backward import forward_backward, gather_per_sequence, make_micro_batches
+from megatron_agent.train.forward_backward import forward_backward, make_micro_batches
 
 
 @dataclass
@@ -58,33 +58,15 @@ def shard_logprobs(
     Returns (indices of the share, log-probs [L-1] each, entropy [L-1] each or None); the
     tensors only on the last pipeline stage (None elsewhere).
     """
-    from megatron.core import parallel_state as ps
-
-    from megatron_agent.platform.setup import device
-
     info = parallel_info()
     indices = dp_shard(list(range(len(sequences))), info.dp_rank, info.dp_size)
-    model.onload()
-    for chunk in model.chunks:
-        chunk.eval()
-    micro_batches = make_micro_batches(
-        [sequences[i] for i in indices], max_tokens=micro_batch_tokens, device=device()
-    )
-    outputs = forward_backward(
-        model.chunks,
-        micro_batches,
-        true_vocab_size=model.true_vocab_size,
-        forward_only=True,
-        with_entropy=with_entropy,
+    logp, entropy = model.forward_only(
+        [sequences[i] for i in indices], max_tokens=micro_batch_tokens, with_entropy=with_entropy
     )
     model.offload()
-    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+    if logp is None:
         return indices, None, None
-    logp = [t.cpu() for t in gather_per_sequence(outputs, "logprobs", len(indices))]
-    entropy = (
-        [t.cpu() for t in gather_per_sequence(outputs, "entropy", len(indices))] if with_entropy else None
-    )
-    return indices, logp, entropy
+    return indices, [t.cpu() for t in logp], None if entropy is None else [t.cpu() for t in entropy]
 
 
 class PPOUpdate:

@@ -76,7 +76,12 @@ class MegatronWorker:
         p = cfg.parallel
         init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.trainer.seed)
         opts = BuildOptions(
-            tp=p.tp, pp=p.pp, vpp=p.vpp, dtype=cfg.model.dtype, transformer_impl=cfg.model.transformer_impl
+            tp=p.tp,
+            pp=p.pp,
+            vpp=p.vpp,
+            dtype=cfg.model.dtype,
+            transformer_impl=cfg.model.transformer_impl,
+            recompute=cfg.model.recompute,
         )
         a = cfg.actor
         optim = OptimConfig(
@@ -119,11 +124,16 @@ class MegatronWorker:
         decay = {"constant": "constant", "linear": "linear", "cosine": "cosine"}.get(a.lr_decay)
         if decay is None:
             raise ConfigError(f"actor.lr_decay={a.lr_decay!r}: choose constant, linear or cosine")
+        min_lr = a.min_lr if decay != "constant" else a.lr
+        for group in self.actor.optimizer.param_groups:
+            # Megatron's param groups carry min_lr=None (OptimizerConfig.min_lr), which the
+            # scheduler prefers over its own argument: a linear or cosine decay then fails.
+            group["max_lr"], group["min_lr"] = a.lr, min_lr
         scheduler = OptimizerParamScheduler(
             self.actor.optimizer,
             init_lr=0.0 if a.lr_warmup_steps else a.lr,
             max_lr=a.lr,
-            min_lr=a.min_lr if decay != "constant" else a.lr,
+            min_lr=min_lr,
             lr_warmup_steps=a.lr_warmup_steps,
             lr_decay_steps=max(total_optimizer_steps, a.lr_warmup_steps + 1),
             lr_decay_style=decay,

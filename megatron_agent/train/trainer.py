@@ -67,6 +67,11 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"data.train_path={cfg.data.train_path!r} does not exist")
     if cfg.data.val_path and not Path(cfg.data.val_path).is_file():
         raise ConfigError(f"data.val_path={cfg.data.val_path!r} does not exist")
+    if p.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel=true is not supported by the trainer yet (the fused log-prob head "
+            "does not gather sequence-parallel hidden states): set parallel.sequence_parallel=false"
+        )
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp > 1")
     if cfg.model.dtype not in ("fp32", "bf16"):

@@ -123,7 +123,8 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
                 saver.ref_from = str(ckpt)
             trainer.make_update(t.total_steps * cfg.actor.ppo_epochs * num_mini)
             first = trainer.sync()
-            run_log.log(0, {**first, **validate(trainer)})
+            skipped = {"data/skipped_rows": float(trainer.num_skipped_rows)}
+            run_log.log(0, {**first, **validate(trainer), **skipped})
             done = 0
         for step in range(done + 1, t.total_steps + 1):
             if stop.requested:

@@ -85,6 +85,20 @@ def _checkpoints(run_dir):
     return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
 
 
+@pytest.fixture(scope="module", autouse=True)
+def task_file(tmp_path_factory):
+    """4 arithmetic tasks and 2 bad rows (skipped and counted as data/skipped_rows)."""
+    from megatron_agent.data.synthetic import arithmetic_tasks
+    from megatron_agent.data.tasks import write_tasks
+
+    path = write_tasks(tmp_path_factory.mktemp("tasks") / "train.jsonl", arithmetic_tasks(4, seed=3))
+    with open(path, "a") as f:
+        f.write('{"uid": "broken", "prompt": [], "reward": {}}\n{not json\n')
+    TINY.append(f"data.train_path={path}")
+    yield path
+    TINY.remove(f"data.train_path={path}")
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resume") / "reference"
@@ -122,6 +136,7 @@ def test_keep_last_keeps_the_newest_complete_checkpoints(reference):
     driver = json.loads((ckpt / "trainer" / "driver.json").read_text())
     assert driver["step"] == 4 and driver["sampler"] == {**driver["sampler"], "epoch": 2, "position": 0}
     assert [r["step"] for r in driver["history"]] == [0, 1, 2, 3, 4]
+    assert driver["history"][0]["data/skipped_rows"] == 2.0  # the two bad rows of the task file
 
 
 def test_finished_run_exits_0_without_training(reference):

@@ -47,7 +47,8 @@ def test_weights_changed_between_syncs(sync_layouts, layout):
 @pytest.mark.parametrize("layout", list(LAYOUT_MODELS))
 def test_sync_metrics(sync_layouts, layout):
     metrics = sync_layouts[0][layout]["metrics"]
-    assert [m["sync/weight_version"] for m in metrics] == [1.0, 2.0, 3.0, 4.0]  # once per sync
+    versions = [m["sync/weight_version"] for m in metrics]  # an engine may serve several layouts
+    assert [v - versions[0] for v in versions] == [0.0, 1.0, 2.0, 3.0]  # bumped once per sync
     for m in metrics:
         assert m["sync/verified"] == 1.0
         assert m["sync/probe_max_abs"] < 1e-4

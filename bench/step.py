@@ -5,10 +5,11 @@
 
 Runs the real trainer in this process (the driver: `Trainer` + `rl_step`, as `train` does; Megatron
 ranks and the vLLM engine are Ray actors) on the quickstart config with its batch sizes
-(8 prompts x 8 samples, mini-batch 8); SFT is skipped (`sft.steps=0`, override to change it),
-plots are off, and the run folder is a temporary one. After `--warmup` untimed steps, `--steps`
-steps are timed; the table holds the median seconds of each phase over those steps and its share
-of the median step:
+(8 prompts x 8 samples, mini-batch 8); SFT is skipped (`sft.steps=0`; with `sft.steps=100`
+the quickstart's SFT runs first, untimed, so that responses have the trained model's lengths and
+tool calls), plots are off, and the run folder is a temporary one. After `--warmup` untimed steps, `--steps`
+steps are timed; the table is the breakdown of the median one (the timed step of median
+`timing_s/step`, so that the phases add up to it):
 
     gen            agent-loop rollouts (timing_s/gen)
     old_log_prob   actor forward on the worker (timing_s/old_log_prob)
@@ -20,16 +21,16 @@ of the median step:
     rest           the step minus all of the above (batch building, metrics, rollout dump)
 
 The sync's own breakdown (send, finish, probe) follows the table. The last line is
-`overhead_ratio=X sync_share=Y`: the share of step time outside generation and update, and the
-sync's share (medians over the timed steps of the per-step ratios). Targets: overhead_ratio <=
+`overhead_ratio=X sync_share=Y` of that step: the share of step time outside generation and
+update, and the sync's share. Targets: overhead_ratio <=
 0.15, sync_share <= 0.05.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import math
-import statistics
 import sys
 import tempfile
 import time
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PHASES = ["gen", "old_log_prob", "ref", "logprob_call", "adv", "update", "sync", "rest"]
-SYNC_PARTS = ["sync/send_s", "sync/finish_s", "sync/probe_s", "sync/engine_load_s", "sync/checksum_s"]
+SYNC_PARTS = ["sync/send_s", "sync/produce_s", "sync/pack_s", "sync/wait_s", "sync/finish_s", "sync/probe_s"]
 
 
 def phases_of(row: dict) -> dict[str, float]:
@@ -93,6 +94,17 @@ def run_steps(config: str, overrides: list[str], num_warmup: int, num_steps: int
     rows = []
     try:
         trainer.start()
+        if cfg.sft.steps > 0:  # as `train` does: SFT first, then RL from its checkpoint
+            from megatron_agent.train.run_log import RunLogger
+            from megatron_agent.train.sft_run import run_sft
+
+            sft_log = RunLogger(trainer.run_dir / "sft_log", cfg.logging, stream=io.StringIO())
+            try:
+                ckpt = run_sft(trainer, sft_log, trainer.run_dir / "sft" / "checkpoint")
+            finally:
+                sft_log.close()
+            trainer.actors.call("restart_from", str(ckpt))
+            trainer.actors.call("connect_engines", trainer.engines.workers)
         num_mini = cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
         trainer.make_update(total * cfg.actor.ppo_epochs * num_mini)
         first = trainer.sync()
@@ -117,23 +129,26 @@ def run_steps(config: str, overrides: list[str], num_warmup: int, num_steps: int
     return rows
 
 
+def median_row(rows: list[dict]) -> dict:
+    """The timed step of median `timing_s/step` (the lower one of an even count)."""
+    ordered = sorted(rows, key=lambda r: r["timing_s/step"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def report(rows: list[dict]) -> str:
-    """The table of median phase seconds and shares, the sync breakdown, and the last line."""
-    per_step = [phases_of(r) for r in rows]
-    step_s = statistics.median(r["timing_s/step"] for r in rows)
-    lines = [f"{'phase':<14}{'median_s':>10}{'share':>8}"]
+    """The median step's phase seconds and shares, its sync breakdown, and the last line."""
+    row = median_row(rows)
+    phases, step_s = phases_of(row), row["timing_s/step"]
+    lines = [f"median of {len(rows)} timed steps: step {row['step']}"]
+    lines.append(f"{'phase':<14}{'seconds':>10}{'share':>8}")
     for name in PHASES:
-        seconds = statistics.median(p[name] for p in per_step)
-        lines.append(f"{name:<14}{seconds:>10.3f}{seconds / step_s:>8.3f}")
+        lines.append(f"{name:<14}{phases[name]:>10.3f}{phases[name] / step_s:>8.3f}")
     lines.append(f"{'step':<14}{step_s:>10.3f}{1.0:>8.3f}")
-    parts = [
-        f"{k.split('/')[1]}={statistics.median(r[k] for r in rows):.3f}" for k in SYNC_PARTS if k in rows[0]
-    ]
-    lines.append("sync breakdown (median s): " + " ".join(parts))
-    tokens = statistics.median(r["perf/throughput"] * r["timing_s/step"] for r in rows)
-    lines.append(f"tokens per step (prompt + response, median): {tokens:.0f}")
-    overhead = statistics.median(ratios_of(r)[0] for r in rows)
-    sync_share = statistics.median(ratios_of(r)[1] for r in rows)
+    parts = [f"{k.split('/')[1]}={row[k]:.3f}" for k in SYNC_PARTS if k in row]
+    parts.append(f"MB={row['sync/bytes'] / 2**20:.1f}")
+    lines.append("sync breakdown (s): " + " ".join(parts))
+    lines.append(f"tokens in the step (prompt + response): {row['perf/throughput'] * step_s:.0f}")
+    overhead, sync_share = ratios_of(row)
     assert math.isfinite(overhead) and math.isfinite(sync_share)
     lines.append(f"overhead_ratio={overhead:.4f} sync_share={sync_share:.4f}")
     return "\n".join(lines)

@@ -34,6 +34,6 @@ def test_step_benchmark_prints_every_phase_and_the_ratios():
     assert match, last
     overhead, sync_share = float(match.group(1)), float(match.group(2))
     assert 0.0 < sync_share < overhead < 1.0  # the sync is part of the overhead
-    # With one timed step the last line is that step's ratios, the table's shares recomputed.
+    # The last line is the median step's ratios: the table's shares recomputed.
     assert abs(overhead - (1.0 - shares["gen"] - shares["update"])) < 0.002, out
     assert abs(sync_share - shares["sync"]) < 0.002, out

@@ -72,6 +72,28 @@ def _set_cpu_env(cache_dir: str | None) -> None:
         os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(cache_dir, "vllm_cache"))
 
 
+def refresh_tied_lm_head(model) -> None:
+    """Re-derive a tied output layer's kernel state from the freshly loaded embedding.
+
+    vLLM ties lm_head to embed_tokens by sharing the parameter, but its CPU backend also keeps a
+    prepacked copy of the head for the GEMM, built when the module is processed after loading.
+    A reload that carries only the embedding (the head is never sent for tied models) leaves
+    that copy stale: the engine would score with the old output layer. Reprocessing the head
+    rebuilds it (on GPU this is a no-op).
+    """
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head.weight.data_ptr() != embed.weight.data_ptr():
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+
+
+def _refresh_tied_lm_head_on_worker(worker) -> None:
+    refresh_tied_lm_head(worker.model_runner.get_model())
+
+
 class VLLMEngine:
     """vLLM generation from token ids with in-place weight updates and a weight version."""
 
@@ -228,6 +250,7 @@ class VLLMEngine:
             raise RuntimeError("update_weights called while generation requests are in flight")
         self._check_awake()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.llm.collective_rpc(_refresh_tied_lm_head_on_worker)
         self.reset_prefix_cache()
         self.weight_version += 1
         return self.weight_version

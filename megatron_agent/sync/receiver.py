@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from megatron_agent.rollout.engine import refresh_tied_lm_head
 from megatron_agent.sync.buckets import BucketHeader, SyncError, first_bad_entry, iter_views
 from megatron_agent.sync.transports import host_id, open_bucket, release_buckets
 
@@ -45,24 +46,6 @@ def _quiet_partial_reload():
 
 
 TIED_EMBEDDING = "model.embed_tokens.weight"
-
-
-def refresh_tied_lm_head(model) -> None:
-    """Re-derive a tied output layer's kernel state from the freshly loaded embedding.
-
-    vLLM ties lm_head to embed_tokens by sharing the parameter, but its CPU backend also keeps a
-    prepacked copy of the head for the GEMM, built when the module is processed after loading.
-    A reload that carries only the embedding (the head is never sent for tied models) leaves
-    that copy stale: the engine would score with the old output layer. Reprocessing the head
-    rebuilds it (on GPU this is a no-op).
-    """
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None or head.weight.data_ptr() != embed.weight.data_ptr():
-        return
-    method = getattr(head, "quant_method", None)
-    if method is not None:
-        method.process_weights_after_loading(head)
 
 
 def load_bucket_on_worker(worker, header: BucketHeader, payload: dict, verify: bool) -> dict:

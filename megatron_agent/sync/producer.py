@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_agent.models.hf_config import ModelArch
-from megatron_agent.weights.export import gather_tp, hf_tensors_from_full, is_tied_copy, unwrap
-from megatron_agent.weights.load import chunk_param_rules
+from megatron_agent.weights.export import iter_hf_tensors
 
 Unit = list[tuple[str, torch.Tensor]]
 
@@ -92,25 +91,14 @@ def iter_units(chunks: list, arch: ModelArch, role: SyncRole, *, impl: str = "lo
     """
     if not role.in_sending_replica:
         return
-    from megatron.core import parallel_state as ps
-
-    tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
     pending: dict[str, Unit] = {}
-    for chunk in chunks:
-        chunk = unwrap(chunk)
-        params = dict(chunk.named_parameters())
-        for local_name, rule, layer in chunk_param_rules(chunk, arch, impl):
-            if is_tied_copy(arch, local_name):
-                continue
-            full = gather_tp(rule, params[local_name].detach(), tp_group)
-            if not role.is_sender:
-                continue
-            for name, tensor in hf_tensors_from_full(rule, layer, full, arch):
-                key, size = unit_key(name)
-                unit = pending.setdefault(key, [])
-                unit.append((name, tensor))
-                if len(unit) == _unit_size(key, size, arch):
-                    yield pending.pop(key)
-            del full
+    for name, tensor in iter_hf_tensors(chunks, arch, impl=impl):
+        if not role.is_sender:  # a TP peer: it took part in the gather; the sender sends
+            continue
+        key, size = unit_key(name)
+        unit = pending.setdefault(key, [])
+        unit.append((name, tensor))
+        if len(unit) == _unit_size(key, size, arch):
+            yield pending.pop(key)
     if pending:
         raise AssertionError(f"incomplete load units at the end of the stage: {sorted(pending)}")

@@ -70,6 +70,7 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
                     estimator=algo.kl_reward_estimator,
                 )
                 m["critic/kl_reward"] = float(kl_m["kl_reward"])
+            remax = algo.adv_estimator == "remax"
             adv_BT, returns_BT = compute_advantages(
                 algo.adv_estimator,
                 rewards_BT,
@@ -77,6 +78,7 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
                 group_ids=batch.group_ids,
                 gamma=algo.gamma,
                 norm_by_std=algo.norm_adv_by_std,
+                baseline_rewards_B=greedy_baseline(t, group_ids, group_tasks) if remax else None,
             )
             batch.set_padded("advantages", adv_BT)
             rollout_BT = batch.padded("rollout_logp")

@@ -72,27 +72,33 @@ def build_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = TOKENIZER_S
     Returns the `PreTrainedTokenizerFast`. The vocabulary has exactly `vocab_size` entries
     (including the added tokens) when the corpus allows that many merges.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    return _train_and_save(tok, _CORPUS * 4, vocab_size, out_dir)
+
+
+def _train_and_save(tok, corpus: list[str], vocab_size: int, out_dir: str | os.PathLike):
+    """Train BPE `tok` on `corpus` to `vocab_size` entries (added tokens included), add our
+    special tokens, tool tags and chat template, and save it as an HF fast tokenizer."""
+    from tokenizers import AddedToken, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     num_added = len(SPECIAL_TOKENS) + len(TOOL_TAGS) + len(TEXT_TAGS)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - num_added,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS,
     )
-    from tokenizers import AddedToken
-
     fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS + TEXT_TAGS])
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
@@ -230,8 +236,7 @@ def build_quickstart_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 
     at newlines, its ids equal those of the whole rendered conversation. Same added tokens and
     chat template as `build_tokenizer`.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -242,23 +247,7 @@ def build_quickstart_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    added = SPECIAL_TOKENS + TOOL_TAGS + TEXT_TAGS
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(added),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_quickstart_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS,
-    )
-    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS + TEXT_TAGS])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(out_dir))
-    return fast
+    return _train_and_save(tok, _quickstart_corpus(), vocab_size, out_dir)
 
 
 def make_quickstart_model(out_dir: str | os.PathLike, seed: int = 0, **config_overrides) -> Path:

@@ -58,7 +58,7 @@ class MegatronWorker:
         the actor and the reference. Returns this rank's parallel info.
         """
         from megatron_agent.models.build import BuildOptions
-        from megatron_agent.models.policy import MegatronModel, OptimConfig
+        from megatron_agent.models.policy import MegatronModel
         from megatron_agent.platform.parallel import init_model_parallel
         from megatron_agent.platform.setup import has_cuda
         from megatron_agent.train.actor_update import parallel_info
@@ -83,15 +83,8 @@ class MegatronWorker:
             transformer_impl=cfg.model.transformer_impl,
             recompute=cfg.model.recompute,
         )
-        a = cfg.actor
-        optim = OptimConfig(
-            lr=a.lr,
-            weight_decay=a.weight_decay,
-            grad_clip=a.grad_clip,
-            use_distributed_optimizer=a.use_distributed_optimizer,
-        )
         self.model_path = model_path
-        self.actor = MegatronModel.from_hf(model_path, opts, trainable=True, optim=optim)
+        self.actor = self._new_actor(opts)
         self.ref = MegatronModel.from_hf(model_path, opts, trainable=False)
         if init_from:
             self._load_weights(init_from)
@@ -207,8 +200,8 @@ class MegatronWorker:
         )
         return metrics if info.reports else None
 
-    def restart_from(self, ckpt_dir: str) -> None:
-        """Actor (with a fresh optimizer) and reference both from `ckpt_dir` (after SFT)."""
+    def _new_actor(self, opts):
+        """The trainable actor from `self.model_path` with a fresh optimizer (the `actor` section)."""
         from megatron_agent.models.policy import MegatronModel, OptimConfig
 
         a = self.cfg.actor
@@ -218,8 +211,11 @@ class MegatronWorker:
             grad_clip=a.grad_clip,
             use_distributed_optimizer=a.use_distributed_optimizer,
         )
-        opts = self.actor.opts
-        self.actor = MegatronModel.from_hf(self.model_path, opts, trainable=True, optim=optim)
+        return MegatronModel.from_hf(self.model_path, opts, trainable=True, optim=optim)
+
+    def restart_from(self, ckpt_dir: str) -> None:
+        """Actor (with a fresh optimizer) and reference both from `ckpt_dir` (after SFT)."""
+        self.actor = self._new_actor(self.actor.opts)
         self._load_weights(ckpt_dir)
         self.sender = None
 

@@ -53,6 +53,20 @@ def run_torchrun(script_args: list[str], nproc: int, timeout: int = 600) -> subp
     return proc
 
 
+def quickstart_train_cmd(run_dir, *overrides) -> list[str]:
+    """`python -m megatron_agent train` on the quickstart config in `run_dir`, with overrides."""
+    return [
+        PYTHON,
+        "-m",
+        "megatron_agent",
+        "train",
+        "--config",
+        "examples/quickstart/config.yaml",
+        f"trainer.run_dir={run_dir}",
+        *overrides,
+    ]
+
+
 def _free_port() -> int:
     import socket
 

@@ -4,29 +4,19 @@ for two seeds. Slow (the whole `make run` job twice); run with `make test-slow`.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, quickstart_train_cmd
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_quickstart_validation_accuracy_rises(tmp_path, seed):
     run_dir = tmp_path / f"seed{seed}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_agent",
-        "train",
-        "--config",
-        "examples/quickstart/config.yaml",
-        f"trainer.run_dir={run_dir}",
-        f"trainer.seed={seed}",
-        f"sft.seed={7 + seed}",
-        f"data.seed={1234 + seed}",
-    ]
+    cmd = quickstart_train_cmd(
+        run_dir, f"trainer.seed={seed}", f"sft.seed={7 + seed}", f"data.seed={1234 + seed}"
+    )
     proc = subprocess.run(
         cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=3600
     )

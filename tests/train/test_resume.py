@@ -11,13 +11,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from megatron_agent.checkpoint.manifest import write_manifest
-from tests.conftest import REPO
+from tests.conftest import REPO, quickstart_train_cmd
 
 TINY = [
     "sft.steps=0",
@@ -35,17 +34,7 @@ TINY = [
 
 
 def _cmd(run_dir, *overrides):
-    return [
-        sys.executable,
-        "-m",
-        "megatron_agent",
-        "train",
-        "--config",
-        "examples/quickstart/config.yaml",
-        f"trainer.run_dir={run_dir}",
-        *TINY,
-        *overrides,
-    ]
+    return quickstart_train_cmd(run_dir, *TINY, *overrides)
 
 
 def _env():

@@ -9,11 +9,10 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, quickstart_train_cmd
 
 TINY = [
     "sft.steps=2",
@@ -31,17 +30,7 @@ TINY = [
 
 def _run_train(run_dir, *overrides, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_agent",
-        "train",
-        "--config",
-        "examples/quickstart/config.yaml",
-        f"trainer.run_dir={run_dir}",
-        *TINY,
-        *overrides,
-    ]
+    cmd = quickstart_train_cmd(run_dir, *TINY, *overrides)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

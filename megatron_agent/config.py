@@ -94,6 +94,11 @@ class RolloutConfig:
     """Trajectories generating or running tools at the same time."""
     seed: int = 0
     """Seed of the rollout engine's sampler."""
+    quantization: str = ""
+    """'' (serve the actor's dtype) or 'fp8': vLLM serves FP8 weights quantized from the BF16 actor
+    at every sync (GPU only; turns algorithm.rollout_is on unless it is set; see sync/fp8.py)."""
+    fp8_scales: str = "tensor"
+    """rollout.quantization=fp8: 'tensor' (one scale per weight) or 'block128' (per 128x128 tile)."""
 
 
 @dataclass
@@ -294,6 +299,8 @@ class SyncConfig:
     """Largest |engine - actor| probe log-prob allowed in fp32."""
     probe_tol_bf16: float = 0.1
     """Largest |engine - actor| probe log-prob allowed in bf16."""
+    probe_tol_fp8: float = 0.5
+    """Largest |engine - actor| probe log-prob allowed for an FP8 engine (rollout.quantization=fp8)."""
     timeout_s: float = 300.0
     """An engine that does not answer a sync call within this many seconds is an error."""
     transport: str = "auto"
@@ -509,6 +516,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     import yaml
 
     cfg = Config()
+    data: dict = {}
     if path:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
@@ -519,6 +527,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _apply_mapping(cfg, data)
     for override in overrides:
         apply_override(cfg, override)
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    if cfg.rollout.quantization == "fp8" and "algorithm.rollout_is" not in given:
+        if "rollout_is" not in (data.get("algorithm") or {}):
+            cfg.algorithm.rollout_is = "token"  # FP8 rollout: truncated IS on unless set explicitly
     return cfg
 
 

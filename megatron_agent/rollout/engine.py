@@ -112,6 +112,8 @@ class VLLMEngine:
         logits_processors: Sequence[Any] = (),
         cache_dir: str | None = None,
         block_size: int | None = None,
+        quantization: str = "",
+        fp8_scales: str = "tensor",
     ):
         """Start vLLM on the HF folder `model_path`.
 
@@ -119,9 +121,17 @@ class VLLMEngine:
         `kv_cache_memory_bytes`; on GPU `tp` and `gpu_memory_utilization` apply. `logits_processors` are
         vLLM V1 logits-processor classes (e.g. `ForcedTokensLogitsProcessor` for scripted tests).
         `block_size` is the KV-cache block (prefix-cache granularity); None means 32 on CPU and
-        vLLM's default on GPU.
+        vLLM's default on GPU. `quantization='fp8'` serves FP8 weights (GPU only): the folder is
+        converted once into `cache_dir` and every sync then sends FP8 weights (`sync.fp8`).
         """
         on_gpu = torch.cuda.is_available()
+        self.quantization = None
+        if quantization:
+            from megatron_agent.sync.fp8 import prepare_fp8_engine
+
+            model_path, self.quantization = prepare_fp8_engine(
+                model_path, quantization, fp8_scales, dtype, cache_dir
+            )
         if not on_gpu:
             _set_cpu_env(cache_dir)
         from vllm import LLM
@@ -135,6 +145,8 @@ class VLLMEngine:
             tensor_parallel_size=tp,
             logprobs_mode="raw_logprobs",
         )
+        if self.quantization:
+            kwargs["quantization"] = "fp8"
         if logits_processors:
             kwargs["logits_processors"] = list(logits_processors)
         if block_size is None and not on_gpu:

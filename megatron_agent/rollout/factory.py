@@ -12,8 +12,9 @@ ENGINES = ("vllm", "hf")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def build_engine(cfg: Config, model_path: str, cache_dir: str | None = None):
-    """The rollout engine named by `cfg.rollout.engine` on the HF folder `model_path`."""
+def build_engine(cfg: Config, model_path: str, cache_dir: str | None = None, logits_processors=()):
+    """The rollout engine named by `cfg.rollout.engine` on the HF folder `model_path` (vLLM gets
+    the V1 `logits_processors` classes, e.g. for a scripted first turn)."""
     dtype = _DTYPES.get(cfg.model.dtype)
     if dtype is None:
         raise ValueError(f"model.dtype={cfg.model.dtype!r}: choose one of {sorted(_DTYPES)}")
@@ -29,8 +30,13 @@ def build_engine(cfg: Config, model_path: str, cache_dir: str | None = None):
             enable_sleep_mode=cfg.rollout.enable_sleep_mode,
             seed=cfg.rollout.seed,
             cache_dir=cache_dir,
+            quantization=cfg.rollout.quantization,
+            fp8_scales=cfg.rollout.fp8_scales,
+            logits_processors=logits_processors,
         )
     if cfg.rollout.engine == "hf":
+        if cfg.rollout.quantization:
+            raise ValueError("rollout.quantization needs rollout.engine=vllm")
         import logging
 
         from megatron_agent.rollout.hf_engine import HFEngine

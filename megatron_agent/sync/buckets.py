@@ -19,12 +19,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_agent.sync.fp8 import wire_dtype
+
 ALIGN = 256  # byte alignment of every tensor in a bucket (any dtype view, CUDA-friendly)
 
 _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # FP8 rollout weights (sync.fp8)
 }
 
 
@@ -140,8 +143,7 @@ def first_bad_entry(buf_u8: torch.Tensor, header: BucketHeader) -> tuple[TensorE
 
 def units_nbytes(unit: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> int:
     """Bucket bytes a unit takes in `dtype` (alignment included)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(aligned(t.numel() * size) for _, t in unit)
+    return sum(aligned(t.numel() * wire_dtype(n, t, dtype).itemsize) for n, t in unit)
 
 
 class BucketWriter:
@@ -162,8 +164,9 @@ class BucketWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one tensor in (cast to the rollout dtype) and record its entry and checksum."""
-        nbytes = tensor.numel() * self.element_size
-        e = TensorEntry(name, tuple(tensor.shape), self.dtype_name, self.used, nbytes, 0)
+        dtype = wire_dtype(name, tensor, self.dtype)
+        nbytes = tensor.numel() * dtype.itemsize
+        e = TensorEntry(name, tuple(tensor.shape), dtype_name(dtype), self.used, nbytes, 0)
         entry_view(self.buf, e).copy_(tensor)
         if self.header.algo:
             t0 = time.perf_counter()

@@ -112,6 +112,7 @@ class WeightReceiver:
             "device": "cuda" if on_gpu else "cpu",
             "weight_version": int(self.engine.weight_version),
             "num_workers": num_workers,
+            "quantization": getattr(self.engine, "quantization", None),
         }
 
     def _start(self, sync_id: int) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from megatron_agent.models.build import resolve_transformer_impl
 from megatron_agent.sync.buckets import BucketHeader, BucketWriter, SyncError, default_algo, units_nbytes
+from megatron_agent.sync.fp8 import fp8_quantizer
 from megatron_agent.sync.producer import SyncRole, Unit, iter_units
 from megatron_agent.sync.transports import BucketBuffer, buffer_device, choose_transport
 from megatron_agent.sync.verify import compare_probe, probe_sequences, probe_tolerance
@@ -139,6 +140,7 @@ class WeightSender:
         self.num_syncs = 0
         self.transports: list[str] | None = None
         self.nccl = None
+        self.quantizer = None  # an Fp8Quantizer when the engines serve FP8 weights (sync.fp8)
         if self.role.is_sender and not self.endpoints:
             raise ValueError("WeightSender on a sending rank needs at least one engine endpoint")
 
@@ -150,6 +152,9 @@ class WeightSender:
             choose_transport(self.cfg.transport, local=bool(getattr(ep, "local", False)), engine_info=info)
             for ep, info in zip(self.endpoints, infos)
         ]
+        self.quantizer = fp8_quantizer(infos)
+        if self.quantizer is not None:
+            self.tol = self.cfg.probe_tol_fp8
         kinds = set(self.transports)
         self.device = buffer_device(kinds)
         self.shared = "shm" in kinds
@@ -230,7 +235,7 @@ class WeightSender:
                 return error
             if pipeline is not None and error is None:
                 try:
-                    pipeline.add(unit)
+                    pipeline.add(self.quantizer.quantize_unit(unit) if self.quantizer else unit)
                 except SyncError as e:
                     error = str(e)  # keep producing: the TP peers are still in the gathers
 
@@ -244,6 +249,8 @@ class WeightSender:
     def _probe(self, *, skip_engine: bool) -> dict:
         out: dict = {}
         t0 = time.perf_counter()
+        if self.role.is_leader:
+            out["tol"] = self.tol  # an FP8 engine's tolerance is known to the senders only
         if self.role.is_leader and not skip_engine:
             try:
                 calls = [ep.call("probe", self.probe_ids) for ep in self.endpoints]
@@ -259,9 +266,10 @@ class WeightSender:
     def _probe_metrics(self, states: list[dict]) -> dict:
         engines = next(s["engine"] for s in states if "engine" in s)
         actor = next(s["actor"] for s in states if "actor" in s)
+        tol = next((s["tol"] for s in states if "tol" in s), self.tol)
         worst = 0.0
         for e, engine in enumerate(engines):
-            value, message = compare_probe(engine, actor, self.tol)
+            value, message = compare_probe(engine, actor, tol)
             if message is not None:
                 raise SyncError(
                     f"weight sync probe failed on engine {e}: {message}; the engine does not compute with "

@@ -8,6 +8,7 @@ import resource
 import shlex
 import sys
 import warnings
+from pathlib import Path
 
 
 def quiet() -> None:
@@ -51,3 +52,38 @@ def check_layout(tool: str, tp: int, pp: int, vpp: int = 1, *, keep: bool) -> tu
         file=sys.stderr,
     )
     raise SystemExit(2)
+
+
+def resolve_checkpoint(path: str, *, hashes: bool) -> tuple[Path, bool]:
+    """The checkpoint folder that `path` names, and whether its checksums were verified here.
+
+    `path` is a checkpoint folder (meta.json: converted, or a training `step_N`), a run folder
+    (`trainer.run_dir`: its `checkpoints/`), or a folder of `step_N` checkpoints
+    (`checkpoint.save_dir`); for the last two, the newest complete checkpoint is taken (every
+    file against its manifest; `hashes=False`: sizes only) and each refused one is named on
+    stderr with the reason. No complete checkpoint: a ValueError saying what was looked at.
+    """
+    from megatron_agent.checkpoint.layout import META
+    from megatron_agent.checkpoint.manifest import CheckpointIntegrityError, verify_manifest
+    from megatron_agent.train.run_state import list_checkpoints
+
+    folder = Path(path)
+    if (folder / META).is_file():
+        return folder, False
+    if not folder.is_dir():
+        raise ValueError(f"--ckpt {path}: no such folder")
+    root = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+    found = list_checkpoints(root)
+    for _, candidate in reversed(found):
+        try:
+            verify_manifest(candidate, hashes=hashes)
+        except CheckpointIntegrityError as exc:
+            print(f"note: skipping {candidate}: {exc}", file=sys.stderr)
+            continue
+        print(f"exporting {candidate}, the newest complete checkpoint of {root}", file=sys.stderr)
+        return candidate, hashes
+    looked = f"{len(found)} step_N folder(s), none complete" if found else "no step_N folders"
+    raise ValueError(
+        f"--ckpt {path}: not a checkpoint folder (no {META}) and {root} holds {looked}; give a "
+        "checkpoint folder, a run folder (trainer.run_dir) or a folder of step_N checkpoints"
+    )

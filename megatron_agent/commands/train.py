@@ -56,11 +56,13 @@ def main(argv: list[str]) -> int:
     trainer, status = make_trainer(cfg)
     if trainer is None:
         return status
-    from megatron_agent.train.run_state import find_resume
+    from megatron_agent.train.run_state import find_resume, resolve_ref_from
     from megatron_agent.train.signals import StopRequest
 
     try:
         resume_dir, state = find_resume(cfg)
+        if state is not None and state.get("ref_from"):  # stored relative to the run folder
+            state["ref_from"] = str(resolve_ref_from(state["ref_from"], trainer.run_dir, resume_dir))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -103,7 +105,7 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
         trainer.start()
         num_mini = cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
         if state is not None:
-            saver.ref_from = state.get("ref_from", "")
+            saver.ref_from = state.get("ref_from", "")  # resolved by main()
             if saver.ref_from:  # the reference is the SFT result: load it before the actor's state
                 trainer.actors.call("restart_from", saver.ref_from)
                 trainer.actors.call("connect_engines", trainer.engines.workers)

@@ -66,10 +66,11 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
                     old_BT,
                     ref_BT,
                     mask_BT,
-                    algo.kl_reward_coef,
+                    t.kl_ctrl.value,  # algorithm.kl_reward_coef, moved by an adaptive kl_ctrl
                     estimator=algo.kl_reward_estimator,
                 )
-                m["critic/kl_reward"] = float(kl_m["kl_reward"])
+                m["critic/kl_reward"], m["critic/kl_coef"] = float(kl_m["kl_reward"]), t.kl_ctrl.value
+                t.kl_ctrl.update(m["critic/kl_reward"], len(trajectories))
             remax = algo.adv_estimator == "remax"
             adv_BT, returns_BT = compute_advantages(
                 algo.adv_estimator,

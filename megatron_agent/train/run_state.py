@@ -11,9 +11,12 @@ step_NNNNNN/
   optim/               actor optimizer state (dist checkpoint, fully reshardable)
   trainer/worker.pt    LR scheduler, PPO optimizer-step counter, guard counters (rank 0)
   trainer/rng_rank*.pt python / numpy / torch RNG states of every Megatron rank
-  trainer/driver.json  step, sampler position, metrics history, driver RNG, rollout seed base
+  trainer/driver.json  step, sampler position, metrics history, driver RNG, rollout seed base,
+                       KL controller, the reference's checkpoint (relative to the run folder)
   hf/  meta.json  manifest.json
 ```
+Paths inside the run folder are stored relative to it, so a run folder moved or copied elsewhere
+resumes from its own files.
 Dynamic sampling keeps no groups across steps (a step draws until its batch is full and drops
 the rest), so there is no buffer to save.
 """
@@ -101,9 +104,11 @@ def rollout_seed(base: int, step: int) -> int:
 
 
 def driver_state(trainer, run_log, step: int, ref_from: str) -> dict:
-    """What the driver saves: step, sampler position, metrics history, its RNG and the rollout seed.
+    """What the driver saves: step, sampler position, metrics history, its RNG, the rollout seed
+    and the KL controller.
 
-    `ref_from`: the checkpoint the reference weights came from ('' for model.path or init_from).
+    `ref_from`: the checkpoint the reference weights came from ('' for model.path or init_from);
+    stored relative to the run folder when it lies inside it (`portable_path`).
     """
     from megatron_agent.train.run_log import to_json_value
 
@@ -114,14 +119,43 @@ def driver_state(trainer, run_log, step: int, ref_from: str) -> dict:
         "history": [{k: to_json_value(v) for k, v in row.items()} for row in run_log.history],
         "python_rng": _jsonable_rng(random.getstate()),
         "rollout_seed": trainer.cfg.rollout.seed,
-        "ref_from": ref_from,
+        "ref_from": portable_path(ref_from, trainer.run_dir) if ref_from else "",
+        "kl_ctrl": trainer.kl_ctrl.state_dict(),
     }
 
 
+def portable_path(path: str | Path, run_dir: str | Path) -> str:
+    """`path` relative to `run_dir` (posix) when it lies inside it, else absolute."""
+    path, run_dir = Path(path).resolve(), Path(run_dir).resolve()
+    return path.relative_to(run_dir).as_posix() if path.is_relative_to(run_dir) else str(path)
+
+
+def resolve_ref_from(stored: str, run_dir: str | Path, resume_dir: str | Path) -> Path:
+    """The folder a saved `ref_from` names, for a run resumed in `run_dir` from `resume_dir`.
+
+    A relative path is looked up in `run_dir`, then in the run folder that holds `resume_dir`
+    (`<run>/checkpoints/step_N`, for trainer.resume=PATH into another run folder). Missing
+    everywhere: FileNotFoundError naming the places tried and the fix.
+    """
+    path = Path(stored)
+    tried = [path] if path.is_absolute() else [Path(run_dir) / path, Path(resume_dir).parent.parent / path]
+    for candidate in tried:
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(
+        f"the reference checkpoint of {resume_dir} ({stored!r}) is in none of: "
+        f"{', '.join(str(p) for p in tried)}; copy the run folder whole (its sft/ folder included) "
+        "or start a new run with trainer.resume=never"
+    )
+
+
 def restore_driver_state(trainer, run_log, state: dict) -> int:
-    """Put the sampler, the metrics history and the driver RNG back; returns the saved step."""
+    """Put the sampler, the metrics history, the driver RNG and the KL controller back; returns
+    the saved step."""
     trainer.sampler.load_state_dict(state["sampler"])
     run_log.load_history(state["history"])
+    if "kl_ctrl" in state:
+        trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
     version, internal, gauss = state["python_rng"]
     random.setstate((version, tuple(internal), gauss))
     if state.get("rollout_seed", trainer.cfg.rollout.seed) != trainer.cfg.rollout.seed:

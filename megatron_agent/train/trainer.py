@@ -18,6 +18,7 @@ import torch
 from megatron_agent.config import Config, ConfigError, config_to_dict
 from megatron_agent.data.sampler import PromptSampler
 from megatron_agent.data.tasks import Task
+from megatron_agent.rl.kl_controller import make_kl_controller
 from megatron_agent.train.batch import RLBatch
 from megatron_agent.train.cluster import WorkerGroup, start_ray, stop_ray
 
@@ -126,6 +127,10 @@ class Trainer:
         self.train_tasks, self.num_skipped_rows = self._load_tasks(cfg.data.train_path, cfg.data.seed)
         self.val_tasks, _ = self._load_tasks(cfg.data.val_path, cfg.data.seed + 1, validation=True)
         self.sampler = PromptSampler(len(self.train_tasks), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        a = cfg.algorithm  # the KL-in-reward coefficient's controller (saved in run checkpoints)
+        self.kl_ctrl = make_kl_controller(
+            a.kl_ctrl, a.kl_reward_coef, target_kl=a.kl_target, horizon=a.kl_horizon
+        )
         self.actors: WorkerGroup | None = None
         self.engines: WorkerGroup | None = None
         self._started_ray = False

@@ -80,6 +80,7 @@ def transformer_config(arch: ModelArch, opts: BuildOptions, *, initialize: bool 
         raise ValueError("parallel.sequence_parallel=true needs tensor parallelism: set parallel.tp > 1")
     dtype = DTYPES[opts.dtype]
     on_gpu = torch.cuda.is_available()
+    pp2_interleaved = opts.pp == 2 and opts.vpp > 1  # see variable_seq_lengths below
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -116,8 +117,14 @@ def transformer_config(arch: ModelArch, opts: BuildOptions, *, initialize: bool 
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",
+        # At PP2 with VPP a rank's previous and next stage are the same rank, and in the
+        # interleaved steady state an activation and a gradient cross between the two ranks in
+        # one exchange. Batched p2p ops (send_prev, recv_prev, send_next, recv_next) match them
+        # in posting order and swap them: the training forward silently ran on the wrong tensors
+        # (measured over gloo). There, shapes are not exchanged (forward_backward pads every
+        # micro-batch to one shape) and the unbatched ops send each direction on its own group.
+        variable_seq_lengths=not pp2_interleaved,
+        batch_p2p_comm=not pp2_interleaved,
         batch_p2p_sync=on_gpu,
         deallocate_pipeline_outputs=False,
         # Losses are normalised by global token/sequence counts by the caller (rl.aggregate);

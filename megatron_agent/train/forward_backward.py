@@ -188,9 +188,11 @@ def forward_backward(
 
     if len(chunks) > 1:
         micro_batches = pad_for_interleaving(micro_batches, ps.get_pipeline_model_parallel_world_size())
-    iterators = _iterators_per_chunk(micro_batches, len(chunks))
     max_len = max(mb.input_ids_BS.shape[1] for mb in micro_batches)
     max_rows = max(mb.input_ids_BS.shape[0] for mb in micro_batches)
+    if not config.variable_seq_lengths:  # one shape for every micro-batch (see models.build)
+        micro_batches = [pad_to_shape(mb, max_rows, max_len) for mb in micro_batches]
+    iterators = _iterators_per_chunk(micro_batches, len(chunks))
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
@@ -227,6 +229,29 @@ def pad_for_interleaving(micro_batches: list[MicroBatch], pp: int) -> list[Micro
                 )
             )
     return batches
+
+
+def pad_to_shape(mb: MicroBatch, rows: int, seq_len: int) -> MicroBatch:
+    """`mb` right-padded to [rows, seq_len] with rows and positions that predict nothing
+    (valid False, extras 0); `indices` still names the real rows, which come first."""
+    r, s = mb.input_ids_BS.shape
+    if (r, s) == (rows, seq_len):
+        return mb
+
+    def pad(t, fill):
+        out = torch.full((rows, t.shape[1] + seq_len - s), fill, dtype=t.dtype, device=t.device)
+        out[:r, : t.shape[1]] = t
+        return out
+
+    positions = torch.arange(seq_len, device=mb.position_ids_BS.device).expand(rows, -1).contiguous()
+    return MicroBatch(
+        pad(mb.input_ids_BS, 0),
+        positions,
+        pad(mb.valid_BT, False),
+        mb.indices,
+        {k: pad(v, 0) for k, v in mb.extras.items()},
+        dummy=mb.dummy,
+    )
 
 
 def _rows(mb: MicroBatch, rows: slice) -> MicroBatch:

@@ -45,13 +45,12 @@ SYNC_PARTS = ["sync/send_s", "sync/produce_s", "sync/pack_s", "sync/wait_s", "sy
 
 def phases_of(row: dict) -> dict[str, float]:
     """Seconds per phase of one step's metrics (`rest` closes the sum to `timing_s/step`)."""
+    old, ref = row.get("timing_s/old_log_prob", 0.0), row.get("timing_s/ref", 0.0)  # absent: not run
     out = {
         "gen": row["timing_s/gen"],
-        "old_log_prob": row["timing_s/old_log_prob"],
-        "ref": row["timing_s/ref"],
-        "logprob_call": max(
-            0.0, row["bench/logprobs_call_s"] - row["timing_s/old_log_prob"] - row["timing_s/ref"]
-        ),
+        "old_log_prob": old,
+        "ref": ref,
+        "logprob_call": max(0.0, row.get("bench/logprobs_call_s", 0.0) - old - ref),
         "adv": row["timing_s/adv"],
         "update": row["timing_s/update_actor"],
         "sync": row["timing_s/update_weights"],

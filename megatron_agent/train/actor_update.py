@@ -49,6 +49,35 @@ def parallel_info() -> ParallelInfo:
     )
 
 
+def uses_reference(cfg) -> bool:
+    """True when the step needs the frozen reference's log-probs (a KL term or the KL guard)."""
+    a = cfg.algorithm
+    return bool(a.kl_loss_coef or a.kl_reward_coef or a.guard_max_abs_kl is not None)
+
+
+def old_logprobs_from_update(cfg) -> bool:
+    """True when the old log-probs are taken from the update's own forward (`actor.old_logprobs`).
+
+    Only for on-policy steps: one PPO epoch over one mini-batch, so the weights of that forward
+    are the weights that are "old", and nothing needs the old log-probs before the update (no KL
+    in the reward, no rollout IS weights). The loss then uses the detached current log-probs as
+    old ones: the ratio is exactly 1 and the gradient is the on-policy policy gradient.
+    """
+    a, algo = cfg.actor, cfg.algorithm
+    if a.old_logprobs not in ("auto", "recompute"):
+        from megatron_agent.config import ConfigError
+
+        raise ConfigError(f"actor.old_logprobs={a.old_logprobs!r}: choose auto or recompute")
+    one_mini_batch = cfg.data.train_batch_size // (a.ppo_mini_batch_size or cfg.data.train_batch_size) == 1
+    return (
+        a.old_logprobs == "auto"
+        and a.ppo_epochs == 1
+        and one_mini_batch
+        and not algo.kl_reward_coef
+        and algo.rollout_is == "none"
+    )
+
+
 @torch.no_grad()
 def shard_logprobs(
     model, sequences: list[list[int]], *, micro_batch_tokens: int, with_entropy: bool
@@ -72,9 +101,14 @@ def shard_logprobs(
 class PPOUpdate:
     """The actor's optimisation for RL steps: PPO epochs over mini-batches, the guard, the LR schedule."""
 
-    def __init__(self, model, algorithm, actor, guard: StepGuard, scheduler, *, horizon: int):
-        """`algorithm`/`actor`: the config sections; `horizon`: Dr.GRPO's constant length."""
+    def __init__(
+        self, model, algorithm, actor, guard: StepGuard, scheduler, *, horizon: int, old_from_update: bool
+    ):
+        """`algorithm`/`actor`: the config sections; `horizon`: Dr.GRPO's constant length;
+        `old_from_update`: take old log-probs from this forward (`old_logprobs_from_update`)."""
         self.model = model
+        self.old_from_update = old_from_update
+        self.captured: dict[str, list] = {}
         self.algo = algorithm
         self.actor = actor
         self.guard = guard
@@ -85,6 +119,7 @@ class PPOUpdate:
     def run(self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int, decode=None) -> dict:
         """Every epoch over every mini-batch; returns metric sums (last stage, TP rank 0) or {}."""
         totals: dict[str, float] = {}
+        self.captured = {"indices": [], "old": [], "entropy": []}
         for _ in range(self.actor.ppo_epochs):
             for indices in mini_batch_indices:
                 for key, value in self._optimizer_step(batch, indices, step, decode).items():
@@ -120,6 +155,9 @@ class PPOUpdate:
 
         def loss_fn(mb, logp_BT, entropy_BT):
             mask = mb.extras["loss_mask"].bool() & mb.valid_BT
+            if self.old_from_update:
+                mb.extras["old_logp"] = logp_BT.detach()
+                self._capture(mb, [mine[i] for i in mb.indices], entropy_BT)
             norm = dict(num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, horizon=self.horizon)
             loss, m = compute_policy_loss(
                 logp_BT,
@@ -180,7 +218,7 @@ class PPOUpdate:
             micro_batches,
             true_vocab_size=self.model.true_vocab_size,
             loss_fn=loss_fn,
-            with_entropy=use_entropy,
+            with_entropy=use_entropy or self.old_from_update,
         )
         losses = [out["loss"] for out in outputs if "loss" in out]
         grads = [
@@ -207,6 +245,14 @@ class PPOUpdate:
             for key, value in decision.metrics.items():
                 sums[key] = float(value)
         return sums
+
+    def _capture(self, mb, batch_indices: list[int], entropy_BT) -> None:
+        """Keep each row's old log-probs and entropy [L-1] (the step's `old_logp` and `entropy`)."""
+        for row, index in enumerate(batch_indices):
+            n = int(mb.valid_BT[row].sum())
+            self.captured["indices"].append(index)
+            self.captured["old"].append(mb.extras["old_logp"][row, :n].float().cpu().clone())
+            self.captured["entropy"].append(entropy_BT[row, :n].detach().float().cpu().clone())
 
     def current_lr(self) -> float:
         """The learning rate of the next optimizer step."""

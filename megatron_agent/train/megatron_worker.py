@@ -61,7 +61,7 @@ class MegatronWorker:
         from megatron_agent.models.policy import MegatronModel
         from megatron_agent.platform.parallel import init_model_parallel
         from megatron_agent.platform.setup import has_cuda
-        from megatron_agent.train.actor_update import parallel_info
+        from megatron_agent.train.actor_update import parallel_info, uses_reference
 
         cfg = self.cfg
         os.environ.update(
@@ -85,10 +85,11 @@ class MegatronWorker:
         )
         self.model_path = model_path
         self.actor = self._new_actor(opts)
-        self.ref = MegatronModel.from_hf(model_path, opts, trainable=False)
+        # Without a KL term the reference is never read: it is not built.
+        self.ref = MegatronModel.from_hf(model_path, opts, trainable=False) if uses_reference(cfg) else None
         if init_from:
             self._load_weights(init_from)
-        if cfg.model.ref_offload:
+        if self.ref is not None and cfg.model.ref_offload:
             self.ref.offload()
         self.info = parallel_info()
         return {
@@ -101,7 +102,7 @@ class MegatronWorker:
     def _load_weights(self, ckpt_dir: str) -> None:
         from megatron_agent.checkpoint.model_io import load_checkpoint
 
-        for model in (self.actor, self.ref):
+        for model in (m for m in (self.actor, self.ref) if m is not None):
             load_checkpoint(ckpt_dir, model.chunks, model.arch)
 
     # --------------------------------------------------------------------------------- RL
@@ -110,7 +111,7 @@ class MegatronWorker:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from megatron_agent.rl import StepGuard
-        from megatron_agent.train.actor_update import PPOUpdate
+        from megatron_agent.train.actor_update import PPOUpdate, old_logprobs_from_update
 
         cfg = self.cfg
         a = cfg.actor
@@ -138,24 +139,35 @@ class MegatronWorker:
         guard = StepGuard.from_config(cfg.algorithm, cfg.trainer.run_dir)
         guard.console = self.rank == 0
         self.update = PPOUpdate(
-            self.actor, cfg.algorithm, a, guard, scheduler, horizon=cfg.rollout.max_total_tokens
+            self.actor,
+            cfg.algorithm,
+            a,
+            guard,
+            scheduler,
+            horizon=cfg.rollout.max_total_tokens,
+            old_from_update=old_logprobs_from_update(cfg),
         )
 
-    def logprobs(self, sequences: list[list[int]], with_ref: bool = True) -> dict | None:
-        """Old (actor) and reference log-probs of this replica's share, plus entropy and timings."""
+    def logprobs(
+        self, sequences: list[list[int]], with_old: bool = True, with_ref: bool = True
+    ) -> dict | None:
+        """Old (actor, with entropy) and/or reference log-probs of this replica's share, and timings."""
         import time
 
         from megatron_agent.train.actor_update import shard_logprobs
 
         tokens = self.cfg.actor.micro_batch_tokens
         start = time.perf_counter()
-        indices, old, entropy = shard_logprobs(
-            self.actor, sequences, micro_batch_tokens=tokens, with_entropy=True
-        )
+        indices, old, entropy, ref = None, None, None, None
+        if with_old:
+            indices, old, entropy = shard_logprobs(
+                self.actor, sequences, micro_batch_tokens=tokens, with_entropy=True
+            )
         mid = time.perf_counter()
-        ref = None
         if with_ref:
-            _, ref, _ = shard_logprobs(self.ref, sequences, micro_batch_tokens=tokens, with_entropy=False)
+            indices, ref, _ = shard_logprobs(
+                self.ref, sequences, micro_batch_tokens=tokens, with_entropy=False
+            )
         end = time.perf_counter()
         if not self.info.reports:
             return None
@@ -172,6 +184,8 @@ class MegatronWorker:
         """The PPO update of one RL step; metric sums on reporting ranks, None elsewhere."""
         sums = self.update.run(batch, mini_batch_indices, step, decode=self._decode)
         sums["actor/lr"] = self.update.current_lr()
+        if self.update.old_from_update:
+            sums["captured"] = self.update.captured  # old log-probs and entropy of this forward
         return sums if self.info.reports else None
 
     def _decode(self, token_id: int) -> str:

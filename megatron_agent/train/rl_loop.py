@@ -6,6 +6,10 @@
     -> PPO epochs over mini-batches (the guard before every optimizer step)
     -> weight sync into the rollout engines (verified) -> metrics and rollout dumps.
 
+On-policy steps (one epoch, one mini-batch, no KL in the reward, no IS weights) skip the old
+log-prob pass: the update's own forward provides them (`old_logprobs_from_update`), and the
+mismatch metrics are computed after the update. The reference pass runs only when a KL needs it.
+
 `Trainer` (trainer.py) owns the workers; this file is the algorithm.
 """
 
@@ -55,16 +59,15 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
         )
         batch.rewards = batch.rewards + penalty
 
-        m.update(t.logprobs(batch))  # old_logp, ref_logp, entropy
+        m.update(t.logprobs(batch))  # old_logp and entropy (unless the update gives them), ref_logp
         with timer(m, "adv"):
             mask_BT = batch.padded("loss_mask")
-            old_BT, ref_BT = batch.padded("old_logp"), batch.padded("ref_logp")
             rewards_BT = outcome_token_rewards(batch)
             if algo.kl_reward_coef:
                 rewards_BT, kl_m = apply_kl_in_reward(
                     rewards_BT,
-                    old_BT,
-                    ref_BT,
+                    batch.padded("old_logp"),
+                    batch.padded("ref_logp"),
                     mask_BT,
                     t.kl_ctrl.value,  # algorithm.kl_reward_coef, moved by an adaptive kl_ctrl
                     estimator=algo.kl_reward_estimator,
@@ -82,25 +85,16 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
                 baseline_rewards_B=greedy_baseline(t, group_ids, group_tasks) if remax else None,
             )
             batch.set_padded("advantages", adv_BT)
-            rollout_BT = batch.padded("rollout_logp")
-            mm = mismatch_metrics(rollout_BT, old_BT, mask_BT, thresholds=algo.mismatch_thresholds)
-            m.update({f"mismatch/{k}": float(v) for k, v in mm.items()})
-            if algo.rollout_is != "none":
-                w_BT, is_m = rollout_is_weights(
-                    rollout_BT,
-                    old_BT,
-                    mask_BT,
-                    level=algo.rollout_is,
-                    cap=algo.rollout_is_cap,
-                    mode=algo.rollout_is_mode,
-                )
-                batch.set_padded("is_weights", w_BT)
-                m.update({f"mismatch/{k}": float(v) for k, v in is_m.items()})
-        m.update(batch_stats(batch, mask_BT, adv_BT, returns_BT, old_BT, ref_BT))
+            if not t.old_from_update:
+                m.update(mismatch_and_correction(batch, mask_BT, algo))
 
         num_mini = cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
         with timer(m, "update_actor"):
             m.update(t.train(batch, mini_batches(batch, min(num_mini, len(set(batch.group_ids)))), step))
+        with timer(m, "adv"):
+            if t.old_from_update:  # old_logp and entropy came back from the update's forward
+                m.update(mismatch_and_correction(batch, mask_BT, algo))
+            m.update(batch_stats(batch, mask_BT, adv_BT, returns_BT))
         with timer(m, "update_weights"):
             m.update(t.sync())
         if cfg.trainer.dump_rollouts:
@@ -151,8 +145,28 @@ def greedy_baseline(t: Trainer, group_ids: list[str], tasks: dict) -> torch.Tens
     return torch.tensor([reward_of[g] for g in group_ids], dtype=torch.float32)
 
 
-def batch_stats(batch: RLBatch, mask_BT, adv_BT, returns_BT, old_BT, ref_BT) -> dict[str, float]:
-    """critic/* and actor/entropy statistics over the loss tokens."""
+def mismatch_and_correction(batch: RLBatch, mask_BT, algo) -> dict[str, float]:
+    """Rollout-vs-trainer mismatch metrics (engine vs old log-probs) and, when configured, the
+    truncated IS weights (`is_weights`, set on the batch for the loss)."""
+    rollout_BT, old_BT = batch.padded("rollout_logp"), batch.padded("old_logp")
+    mm = mismatch_metrics(rollout_BT, old_BT, mask_BT, thresholds=algo.mismatch_thresholds)
+    out = {f"mismatch/{k}": float(v) for k, v in mm.items()}
+    if algo.rollout_is != "none":
+        w_BT, is_m = rollout_is_weights(
+            rollout_BT,
+            old_BT,
+            mask_BT,
+            level=algo.rollout_is,
+            cap=algo.rollout_is_cap,
+            mode=algo.rollout_is_mode,
+        )
+        batch.set_padded("is_weights", w_BT)
+        out.update({f"mismatch/{k}": float(v) for k, v in is_m.items()})
+    return out
+
+
+def batch_stats(batch: RLBatch, mask_BT, adv_BT, returns_BT) -> dict[str, float]:
+    """critic/* and actor/entropy statistics over the loss tokens (critic/kl when a reference ran)."""
     mask = mask_BT.bool()
     num = mask.sum().clamp(min=1)
     adv = adv_BT[mask]
@@ -163,9 +177,11 @@ def batch_stats(batch: RLBatch, mask_BT, adv_BT, returns_BT, old_BT, ref_BT) -> 
         "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
         "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
         "critic/returns/mean": float(returns_BT[mask].mean()) if adv.numel() else 0.0,
-        "critic/kl": float(torch.where(mask, old_BT - ref_BT, 0.0).sum() / num),
         "actor/entropy": float(torch.where(mask, entropy_BT, 0.0).sum() / num),
     }
+    if "ref_logp" in batch.tensors:
+        kl_BT = batch.padded("old_logp") - batch.padded("ref_logp")
+        stats["critic/kl"] = float(torch.where(mask, kl_BT, 0.0).sum() / num)
     return stats
 
 
@@ -182,6 +198,7 @@ def dump_fields(batch: RLBatch, trajectories: list) -> list[dict]:
                     ("ref_logprobs", "ref_logp"),
                     ("advantages", "advantages"),
                 )
+                if name in batch.tensors  # ref_logprobs stays null when no reference ran
             }
         )
     return rows

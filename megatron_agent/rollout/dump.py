@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,9 +56,21 @@ def write_rollout_dump(
     with open(tmp, "w") as f:
         for i, traj in enumerate(trajectories):
             extra = per_trajectory[i] if per_trajectory is not None else {}
-            f.write(json.dumps(traj.to_dump(**extra), allow_nan=False) + "\n")
+            f.write(json.dumps(_json_safe(traj.to_dump(**extra)), allow_nan=False) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with non-finite floats as the strings 'nan', 'inf', '-inf' (a step the guard
+    skipped for NaN log-probs is still dumped, and the dump stays strict JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def read_rollout_dump(path: str | os.PathLike) -> list[dict]:

@@ -182,7 +182,10 @@ class MegatronWorker:
 
     def train(self, batch, mini_batch_indices: list[list[int]], step: int) -> dict | None:
         """The PPO update of one RL step; metric sums on reporting ranks, None elsewhere."""
-        sums = self.update.run(batch, mini_batch_indices, step, decode=self._decode)
+        from megatron_agent.train.fault_injection import nan_logits
+
+        with nan_logits(self.actor, self.cfg.debug, batch, step):  # a no-op unless debug.nan_logits_step
+            sums = self.update.run(batch, mini_batch_indices, step, decode=self._decode)
         sums["actor/lr"] = self.update.current_lr()
         if self.update.old_from_update:
             sums["captured"] = self.update.captured  # old log-probs and entropy of this forward
@@ -276,16 +279,35 @@ class MegatronWorker:
                 (folder / DRIVER_FILE).write_text(json.dumps(driver_state))
 
         Path(ckpt_dir).parent.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(
-            ckpt_dir,
-            self.actor.chunks,
-            self.actor.arch,
-            hf_dir=hf_dir,
-            overwrite=True,
-            extra_meta={"step": driver_state["step"], "run_state": True},
-            extra_writers={"optim": write_optimizer, STATE_DIR: write_trainer},
-        )
+        self.save_error = ""
+        try:
+            save_checkpoint(
+                ckpt_dir,
+                self.actor.chunks,
+                self.actor.arch,
+                hf_dir=hf_dir,
+                overwrite=True,
+                extra_meta={"step": driver_state["step"], "run_state": True},
+                extra_writers={"optim": write_optimizer, STATE_DIR: write_trainer},
+            )
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            from megatron_agent.train.worker_state import save_error_message
+
+            self.save_error = save_error_message(exc, ckpt_dir, self.rank)
+            raise RuntimeError(self.save_error) from exc
         return ckpt_dir
+
+    def last_save_error(self) -> str:
+        """Why this rank's latest `save_state` failed ('' when it did not); answers only when idle."""
+        return getattr(self, "save_error", "")
+
+    def state_checksum(self) -> str:
+        """sha256 of this rank's actor weights and optimizer state (fault drills and tests)."""
+        from megatron_agent.train.fault_injection import state_checksum
+
+        return state_checksum(self.actor)
 
     def load_state(self, ckpt_dir: str) -> int:
         """Collective: restore what `save_state` wrote (at any TP x PP layout); returns the step.

@@ -26,8 +26,12 @@ class RolloutWorker:
         self.cfg = cfg = config_from_dict(cfg_dict)
         run_dir = cfg.trainer.run_dir
         os.environ.setdefault("TMPDIR", run_dir)
-        self.engine = build_engine(cfg, model_path, cache_dir=run_dir)
-        self.loop = build_agent_loop(cfg, self.engine, build_toolset(cfg))
+        from megatron_agent.train.fault_injection import engine_logits_processors, forced_turn_hook
+
+        processors = engine_logits_processors(cfg.debug)  # none unless debug.forced_first_turn
+        self.engine = build_engine(cfg, model_path, cache_dir=run_dir, logits_processors=processors)
+        hook = forced_turn_hook(cfg.debug, self.engine.tokenizer)
+        self.loop = build_agent_loop(cfg, self.engine, build_toolset(cfg), turn_hook=hook)
         self.receiver = None
 
     def ping(self) -> int:

@@ -200,3 +200,39 @@ def rotate(root: str | Path, keep_last: int) -> list[Path]:
         shutil.rmtree(path, ignore_errors=True)
         logger.info("removed old checkpoint %s (checkpoint.keep_last=%d)", path, keep_last)
     return doomed
+
+
+def discard_staging(final: str | Path) -> list[Path]:
+    """Remove the staging folders of a failed save of `final` (`.<name>.tmp-*`); returns them."""
+    final = Path(final)
+    removed = [p for p in final.parent.glob(f".{final.name}.tmp-*") if p.is_dir()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+        logger.info("removed the staging folder %s of a failed save", path)
+    return removed
+
+
+def newest_complete(root: str | Path) -> Path | None:
+    """The newest checkpoint under `root` whose files all match the manifest's sizes, or None."""
+    for _step, path in reversed(list_checkpoints(root)):
+        try:
+            verify_manifest(path, hashes=False)
+            return path
+        except CheckpointIntegrityError:
+            continue
+    return None
+
+
+def space_note(root: str | Path, previous: Path | None) -> str:
+    """Free space under `root`, and whether it is less than `previous` (a checkpoint) takes: the
+    likely cause of a failed save even where the writer's own error lost it (Megatron's does)."""
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError as exc:
+        return f"the free space under {root} is unknown ({exc})"
+    note = f"{root} has {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
+    if previous is not None:
+        need = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file())
+        if usage.free < need:
+            note += f", less than the {need / 2**20:.1f} MiB the previous checkpoint takes: the disk is full"
+    return note

@@ -96,3 +96,50 @@ def set_rng_state(path: Path, *, seed: int) -> None:
             get_cuda_rng_tracker().set_states(state["tracker"])
         except Exception as exc:  # noqa: BLE001 - a tracker of another layout has other names
             logger.warning("TP RNG tracker state not restored: %s", exc)
+
+
+def save_error_message(exc: BaseException, ckpt_dir: str | Path, rank: int) -> str:
+    """What went wrong while writing `ckpt_dir` on `rank`, with the errors found underneath.
+
+    Megatron's distributed save turns a failed write into a `CheckpointException` whose text names
+    no cause (and on ranks other than the coordinator holds none): the causes are looked for in
+    its `failures` (exceptions gathered from the ranks, their chains lost on the way) and in the
+    `__cause__` / `__context__` chain. A full file system (ENOSPC, EDQUOT) is said so, with the
+    space left there.
+    """
+    import errno
+    import shutil
+
+    found: list[BaseException] = []
+    seen: set[int] = set()
+
+    def walk(e) -> None:
+        if e is None or id(e) in seen:
+            return
+        seen.add(id(e))
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):  # torch.distributed.checkpoint.CheckpointException
+            for failure in failures.values():
+                walk(failure[0] if isinstance(failure, tuple) else failure)
+        else:
+            found.append(e)
+        walk(e.__cause__)
+        walk(e.__context__)
+
+    walk(exc)
+    found.sort(key=lambda e: not isinstance(e, OSError))  # OS errors first: they say what happened
+    causes = list(dict.fromkeys(f"{type(e).__name__}: {e}" for e in found)) or [
+        f"{type(exc).__name__}: {exc}"
+    ]
+    message = f"writing the checkpoint {ckpt_dir} failed on rank {rank}: {'; '.join(causes[:3])}"
+    full = any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for e in found)
+    if full or any(text in c for c in causes for text in ("No space left on device", "Disk quota exceeded")):
+        parent = Path(ckpt_dir).parent
+        message += f" (the file system of {parent} is full or over quota"
+        try:
+            usage = shutil.disk_usage(parent)
+            message += f": {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB now"
+        except OSError:
+            pass
+        message += ")"
+    return message

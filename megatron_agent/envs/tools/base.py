@@ -133,7 +133,11 @@ class ToolSet:
         timeout = tool.timeout_s if tool.timeout_s is not None else self.timeout_s
         try:
             if inspect.iscoroutinefunction(tool.call):
-                out = await asyncio.wait_for(tool.call(**arguments), timeout)
+                # In this task, not a new one (as wait_for would): a SystemExit raised by the
+                # tool (argparse on bad input, sys.exit) then reaches the handler below instead
+                # of escaping the event loop and ending every rollout of the engine.
+                async with asyncio.timeout(timeout):
+                    out = await tool.call(**arguments)
             else:  # a synchronous tool runs in a thread so that it cannot block the event loop
                 run = functools.partial(tool.call, **arguments)
                 out = await asyncio.wait_for(
@@ -145,8 +149,10 @@ class ToolSet:
             )
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - any tool failure is data
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any tool failure is data
             msg = str(exc) or type(exc).__name__
+            if isinstance(exc, SystemExit):
+                msg = f"exited with status {exc.code}"
             return ToolResult(f"Error: {name} failed: {msg[:500]}", "error", time.monotonic() - start)
         text, repaired = _to_text(out)
         seconds = time.monotonic() - start

@@ -1,0 +1,169 @@
+"""Fault drills: faults injected on purpose through the `debug` config section (docs/faults.md).
+
+- `nan_logits`: during the PPO update of RL step `debug.nan_logits_step`, the actor's logits at
+  one token are NaN: the logits that predict response token `debug.nan_logits_token` of the
+  step's trajectory `debug.nan_logits_sample` (its line in `rollouts/step_N.jsonl`). The hidden
+  state fed to the output layer at that position is set to NaN on the last pipeline stage (every
+  TP rank), so the whole logits row there is NaN, the log-prob of that token is NaN, and the
+  backward pass puts NaN into the output layer's gradient: what a numerical blow-up in the head
+  looks like. Every forward of the update at that step that holds the trajectory is hit (every
+  PPO epoch); the log-prob pass before the update is not.
+- `forced_turn_hook` / `engine_logits_processors`: the engines emit `debug.forced_first_turn` as
+  every trajectory's first assistant turn (the model's own log-probs are still recorded), so that
+  a tiny random model calls the tools a drill needs.
+- `state_checksum`: a digest of this rank's weights and optimizer state, to prove that a skipped
+  step changed nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+
+import torch
+
+logger = logging.getLogger("megatron_agent.train")
+
+
+def nan_target(debug, batch, step: int) -> tuple[list[int], int] | None:
+    """(sequence ids, target index) that `debug` poisons at `step`, or None when nothing is due.
+
+    Target j is predicted by the logits at position j (it predicts id j + 1). Response token k
+    of a trajectory is target `len(prompt) - 1 + k`; the first response token is always
+    engine-sampled, so the prompt ends where the loss mask first turns on.
+    """
+    if not debug.nan_logits_step or step != debug.nan_logits_step:
+        return None
+    sample, token = debug.nan_logits_sample, debug.nan_logits_token
+    if not 0 <= sample < len(batch):
+        raise ValueError(
+            f"debug.nan_logits_sample={sample}: step {step} has {len(batch)} trajectories (0..{len(batch) - 1})"
+        )
+    mask = batch.tensors["loss_mask"][sample]
+    first = int(mask.nonzero()[0]) if mask.any() else len(mask)
+    target = first + token
+    if not 0 <= token or target >= len(mask):
+        raise ValueError(
+            f"debug.nan_logits_token={token}: trajectory {batch.uids[sample]} of step {step} has "
+            f"{len(mask) - first} response tokens"
+        )
+    return list(batch.sequences[sample]), target
+
+
+@contextlib.contextmanager
+def nan_logits(model, debug, batch, step: int):
+    """Within the block, NaN logits at `nan_target(debug, batch, step)` in `model`'s forwards.
+
+    `model`: a `MegatronModel`; only the last pipeline stage's chunk computes logits. A no-op
+    when no injection is due at `step`.
+    """
+    due = nan_target(debug, batch, step)
+    last = _last_stage_model(model) if due is not None else None
+    if last is None:
+        yield
+        return
+    sequence, target = due
+    seq_S = torch.tensor(sequence, dtype=torch.long)
+    hits = []
+
+    def pre_hook(module, args, kwargs):
+        input_ids_BS = args[0] if args else kwargs["input_ids"]
+        rows = _matching_rows(input_ids_BS, seq_S)
+        processor = kwargs.get("output_processor")
+        if not rows or processor is None:
+            return None
+
+        def poisoned(hidden_states, **rest):
+            hidden_SBH = hidden_states.clone()
+            hidden_SBH[target, rows] = float("nan")
+            return processor(hidden_states=hidden_SBH, **rest)
+
+        hits.append(rows)
+        return args, {**kwargs, "output_processor": poisoned}
+
+    handle = last.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+    if hits:
+        logger.warning(
+            "debug: NaN logits injected at step %d, target %d of trajectory %d (%d forwards)",
+            step,
+            target,
+            debug.nan_logits_sample,
+            len(hits),
+        )
+
+
+def _last_stage_model(model):
+    """The GPTModel of `model`'s chunk that computes logits on this rank, or None."""
+    from megatron_agent.weights.export import unwrap
+
+    for chunk in reversed(model.chunks):
+        inner = unwrap(chunk)
+        if getattr(inner, "post_process", False):
+            return inner
+    return None
+
+
+def _matching_rows(input_ids_BS: torch.Tensor, seq_S: torch.Tensor) -> list[int]:
+    """Rows of a right-padded micro-batch that hold exactly `seq_S` (then only padding id 0)."""
+    num = seq_S.numel()
+    if input_ids_BS.shape[1] < num:
+        return []
+    ids = input_ids_BS.cpu()
+    same = (ids[:, :num] == seq_S).all(dim=1) & (ids[:, num:] == 0).all(dim=1)
+    return same.nonzero().flatten().tolist()
+
+
+def state_checksum(model) -> str:
+    """sha256 over this rank's parameters and optimizer state (main params, Adam moments, steps)."""
+    from megatron_agent.weights.export import unwrap
+
+    digest = hashlib.sha256()
+
+    def add(name: str, value) -> None:
+        digest.update(name.encode())
+        if torch.is_tensor(value):
+            digest.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(value).encode())
+
+    for i, chunk in enumerate(model.chunks):
+        for name, param in unwrap(chunk).named_parameters():
+            add(f"chunk{i}.{name}", param)
+    optimizers = getattr(model.optimizer, "chained_optimizers", [model.optimizer])
+    for k, opt in enumerate(optimizers):
+        inner = opt.optimizer
+        for g, group in enumerate(inner.param_groups):
+            for p, param in enumerate(group["params"]):
+                add(f"opt{k}.group{g}.param{p}", param)
+                for key, value in sorted(inner.state.get(param, {}).items()):
+                    add(f"opt{k}.group{g}.param{p}.{key}", value)
+    return digest.hexdigest()
+
+
+def forced_turn_hook(debug, tokenizer):
+    """A turn hook forcing `debug.forced_first_turn` as turn 0 of every trajectory, or None."""
+    if not debug.forced_first_turn:
+        return None
+    from megatron_agent.rollout.chat import ChatFormat
+    from megatron_agent.rollout.scripted import FORCED_KEY
+
+    ids = ChatFormat(tokenizer).encode(debug.forced_first_turn)
+
+    def hook(trajectory, turn: int):
+        return {FORCED_KEY: ids} if turn == 0 else None
+
+    return hook
+
+
+def engine_logits_processors(debug) -> list:
+    """The vLLM logits processors `forced_turn_hook` needs (none when it is off)."""
+    if not debug.forced_first_turn:
+        return []
+    from megatron_agent.rollout.scripted import ForcedTokensLogitsProcessor
+
+    return [ForcedTokensLogitsProcessor]

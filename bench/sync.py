@@ -3,9 +3,11 @@
     python bench/sync.py [--hidden 768 --layers 8 --vocab 32000] [--rounds 3] [--bucket-mb 256]
 
 A random Qwen2-shaped model of about 100M parameters in fp32; the actor runs at TP=2 over gloo
-(two torchrun ranks), the vLLM engine in its own process. Each round times one full sync (TP
-gather, name/layout mapping, packing with checksums, transfer through shared memory, the
-engine's in-place load with its checksums, finish, probe) and, next to it, the practical limit:
+(two torchrun ranks), the vLLM engine in its own process. Before each round the actor's weights
+change (scaled by 1.001), so a sync that moved nothing would fail its probe. Each round times one
+full sync (the actor's probe forward, both TP ranks writing their shards into the shared-memory
+buckets with the layout mapping, checksums, the engine's in-place load with its checksums,
+finish, the engine's probe) and, next to it, the practical limit:
 the same number of bytes copied from this process into shared memory and out of it by another
 process, in the same bucket size, double-buffered. Last line: `efficiency=X verify_share=Y`
 (limit time / sync time; the verification's share of the sync: both checksums and the probe).
@@ -109,6 +111,7 @@ def limit_seconds(total: int, bucket: int) -> float:
 
 
 def worker(args) -> None:
+    import torch
     import torch.distributed as dist
 
     from megatron_agent.config import SyncConfig
@@ -132,11 +135,18 @@ def worker(args) -> None:
     sender.sync()  # warm-up: first-call costs (engine connection, probe compilation paths)
     rounds = []
     for _ in range(args.rounds):
+        # New weights every round (the same on every TP rank), so a sync that moved nothing would
+        # fail its probe instead of passing against the engine's unchanged copy.
+        with torch.no_grad():
+            for chunk in model.chunks:
+                for p in chunk.parameters():
+                    p.mul_(1.001)
         dist.barrier()
         m = sender.sync()
         dist.barrier()
         limit = limit_seconds(int(m["sync/bytes"]), args.bucket_mb << 20) if rank == 0 else 0.0
         rounds.append((m, limit))
+    sender.close()
     if rank == 0:
         report(rounds)
         engine.close()
@@ -147,7 +157,8 @@ def report(rounds) -> None:
     """Print each round, then the medians and the summary line."""
     phases = [
         ("gather+map", "sync/produce_s"),
-        ("pack (incl. checksum)", "sync/pack_s"),
+        ("write/pack shards", "sync/pack_s"),
+        ("TP barriers", "sync/barrier_s"),
         ("  sender checksum", "sync/checksum_s"),
         ("buffer alloc", "sync/alloc_s"),
         ("wait for engine", "sync/wait_s"),
@@ -155,6 +166,8 @@ def report(rounds) -> None:
         ("  engine checksum", "sync/engine_checksum_s"),
         ("finish", "sync/finish_s"),
         ("probe", "sync/probe_s"),
+        ("  actor forward", "sync/actor_probe_s"),
+        ("  engine scoring", "sync/engine_probe_s"),
         ("full sync", "sync/seconds"),
     ]
     for i, (m, limit) in enumerate(rounds):
@@ -164,8 +177,9 @@ def report(rounds) -> None:
     gb = rounds[0][0]["sync/bytes"] / 1e9
     print(f"bytes per sync: {gb:.3f} GB (fp32), medians over {len(rounds)} rounds:")
     for label, key in phases:
-        s = statistics.median(m[key] for m, _ in rounds)
-        print(f"  {label:<24} {s:8.3f} s  {gb / max(s, 1e-9):8.2f} GB/s")
+        s = statistics.median(m.get(key, 0.0) for m, _ in rounds)
+        rate = f"{gb / s:8.2f} GB/s" if s >= 1e-3 else "       -"
+        print(f"  {label:<24} {s:8.3f} s  {rate}")
     sync_s = statistics.median(m["sync/seconds"] for m, _ in rounds)
     limit_s = statistics.median(limit for _, limit in rounds)
     verify_s = statistics.median(

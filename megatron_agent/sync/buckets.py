@@ -6,8 +6,9 @@ were written. The sender packs whole *units* (the tensors one vLLM module is loa
 q/k/v with their biases) so a bucket never splits a module: vLLM's in-place reload processes a
 module only once all its weights arrived in the same call.
 
-Checksums: zlib CRC-32 on CPU buffers (about 6 GB/s on one core); on CUDA buffers, a
-position-weighted 64-bit integer sum computed on the device (exact, order-independent).
+Checksums: XXH3-64 on CPU buffers (26 GB/s on one core of the 2-core benchmark machine, where
+zlib's CRC-32 runs at 4.5 GB/s and Adler-32 at 3.3 GB/s; CRC-32 is still accepted); on CUDA
+buffers, a position-weighted 64-bit integer sum computed on the device (exact, order-independent).
 """
 
 from __future__ import annotations
@@ -96,7 +97,11 @@ class BucketHeader:
 
 
 def checksum(buf_u8: torch.Tensor, algo: str) -> int:
-    """Checksum of a 1-D uint8 tensor with `algo` ('crc32' on CPU, 'wsum64' anywhere)."""
+    """Checksum of a 1-D uint8 tensor with `algo` ('xxh3' or 'crc32' on CPU, 'wsum64' anywhere)."""
+    if algo == "xxh3":
+        import xxhash
+
+        return xxhash.xxh3_64_intdigest(memoryview(buf_u8.numpy()))
     if algo == "crc32":
         return zlib.crc32(memoryview(buf_u8.numpy()))
     if algo == "wsum64":
@@ -106,7 +111,7 @@ def checksum(buf_u8: torch.Tensor, algo: str) -> int:
 
 def default_algo(device: torch.device) -> str:
     """The checksum for buffers on `device`."""
-    return "crc32" if device.type == "cpu" else "wsum64"
+    return "xxh3" if device.type == "cpu" else "wsum64"
 
 
 def _weighted_sum64(buf_u8: torch.Tensor) -> int:

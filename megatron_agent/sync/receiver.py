@@ -6,7 +6,8 @@ forwards to (a pipe server, a Ray actor method, or a direct call). Methods:
 - `info()`: pid, host, device, weight_version, number of engine workers.
 - `load_bucket(header, payload)`: open the bucket (zero-copy), recompute every tensor's checksum,
   and load the tensors in place. In a vLLM engine this runs inside each worker
-  (`collective_rpc`), so a TP engine shards the full HF tensors itself.
+  (`collective_rpc`), so a TP engine shards the full HF tensors itself; an unquantized TP1 engine
+  on CPU is loaded in one pass by `cpu_loader.DirectLoader`, any other with vLLM's `reload_weights`.
 - `finish(sync_id, manifest)`: check that every bucket the senders sent arrived, then reset the
   prefix cache once and bump `weight_version` once.
 - `probe(sequences)`: prompt log-probs of fixed token ids (log p(token i | tokens < i)).
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 
 from megatron_agent.rollout.engine import refresh_tied_lm_head
 from megatron_agent.sync.buckets import BucketHeader, SyncError, first_bad_entry, iter_views
+from megatron_agent.sync.cpu_loader import DirectLoader
 from megatron_agent.sync.transports import host_id, open_bucket, release_buckets
 
 # vLLM logs a warning for every module a partial reload does not touch; a bucket is partial.
@@ -64,11 +66,27 @@ def load_bucket_on_worker(worker, header: BucketHeader, payload: dict, verify: b
             return {"bad": (entry.name, entry.checksum, got)}
     t1 = time.perf_counter()
     if worker is not None:
-        with _quiet_partial_reload():
-            worker.reload_weights(weights_iterator=iter_views(u8, header))
+        model = worker.model_runner.get_model()
+        loader = _direct_loader(worker, model)
+        if loader is not None:
+            loader.load(u8, header)
+        else:
+            with _quiet_partial_reload():
+                worker.reload_weights(weights_iterator=iter_views(u8, header))
         if TIED_EMBEDDING in header.names():
-            refresh_tied_lm_head(worker.model_runner.get_model())
+            refresh_tied_lm_head(model)
     return {"checksum_s": t1 - t0, "load_s": time.perf_counter() - t1, "u8": u8 if worker is None else None}
+
+
+_LOADERS: dict[int, DirectLoader | None] = {}
+
+
+def _direct_loader(worker, model) -> DirectLoader | None:
+    """The worker's one-pass CPU loader, or None where vLLM's reload_weights must do it (cached per model)."""
+    if id(model) not in _LOADERS:
+        world_size = worker.vllm_config.parallel_config.world_size
+        _LOADERS[id(model)] = DirectLoader.for_model(model, world_size)
+    return _LOADERS[id(model)]
 
 
 def release_on_worker(worker) -> None:
@@ -137,7 +155,7 @@ class WeightReceiver:
                 name, want, got = r["bad"]
                 raise SyncError(
                     f"checksum mismatch in sync {header.sync_id}, bucket {header.index} from actor rank "
-                    f"{header.sender}: tensor {name} was sent with crc {want:#x} but arrived as {got:#x} "
+                    f"{header.sender}: tensor {name} was sent with {header.algo} {want:#x} but arrived as {got:#x} "
                     "(corrupted in transit; check the transport)"
                 )
         if not self._vllm:

@@ -20,6 +20,7 @@ import mmap
 import os
 import socket
 import tempfile
+import weakref
 
 import torch
 
@@ -91,14 +92,19 @@ def buffer_device(transports: set[str]) -> str:
 class BucketBuffer:
     """One bucket's bytes on the sender: CPU memory, a /dev/shm file, or CUDA memory."""
 
-    def __init__(self, nbytes: int, *, shared: bool, device: str):
+    def __init__(self, nbytes: int, *, shared: bool, device: str, attach: str | None = None):
         self.nbytes = nbytes
         self.path = None
         self._mmap = None
-        if device == "cuda":
+        self._owner = attach is None
+        if attach is not None:  # a TP peer maps the sender's segment to write its shards into it
+            self.path = attach
+            self._mmap = _map(attach, nbytes)
+            self.u8 = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        elif device == "cuda":
             self.u8 = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
         elif shared:
-            self.path = os.path.join(shm_dir(), f"megatron-agent-sync-{os.getpid()}-{next(_counter)}")
+            self.path = os.path.join(shm_dir(), f"{SEGMENT_PREFIX}{os.getpid()}-{next(_counter)}")
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, nbytes)
@@ -106,16 +112,24 @@ class BucketBuffer:
             finally:
                 os.close(fd)
             self.u8 = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            # Unlinked by close(), or when the buffer is collected or the interpreter exits.
+            self._unlink = weakref.finalize(self, _unlink_quietly, self.path)
         else:
             self.u8 = torch.empty(nbytes, dtype=torch.uint8)
         self._ipc = None
 
-    def payload(self, transport: str, nbytes: int) -> dict:
-        """What the engine needs to find this buffer's first `nbytes` (never the bytes themselves)."""
+    def payload(self, transport: str, nbytes: int, offset: int = 0) -> dict:
+        """What the engine needs to find `nbytes` of this buffer from `offset` (never the bytes themselves)."""
         if transport == "direct":
-            return {"kind": "direct", "tensor": self.u8[:nbytes]}
+            return {"kind": "direct", "tensor": self.u8[offset : offset + nbytes]}
         if transport == "shm":
-            return {"kind": "shm", "path": self.path, "nbytes": self.nbytes}
+            return {
+                "kind": "shm",
+                "path": self.path,
+                "nbytes": self.nbytes,
+                "offset": offset,
+                "length": nbytes,
+            }
         if transport == "cuda_ipc":
             if self._ipc is None:
                 from torch.multiprocessing.reductions import reduce_tensor
@@ -133,15 +147,50 @@ class BucketBuffer:
         if self._mmap is not None:
             self._mmap.close()
             self._mmap = None
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.path = None
+        if self.path is not None and self._owner:
+            self._unlink()
+        self.path = None
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map (and allocate) all pages at once: no page faults later
+SEGMENT_PREFIX = "megatron-agent-sync-"
+
+
+def _map(path: str, nbytes: int) -> mmap.mmap:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError as e:
+        raise SyncError(
+            f"shared-memory bucket {path} does not exist (sender gone, or on another host?)"
+        ) from e
+    try:
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_stale_segments() -> int:
+    """Unlink bucket files left in shared memory by sender processes that no longer exist; returns how many."""
+    removed = 0
+    for name in os.listdir(shm_dir()):
+        if not name.startswith(SEGMENT_PREFIX):
+            continue
+        pid = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(os.path.join(shm_dir(), name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
 
 # ---- engine side -----------------------------------------------------------------------------
 
@@ -158,18 +207,12 @@ def open_bucket(payload: dict, *, nccl_group=None) -> torch.Tensor:
     if kind == "shm":
         path = payload["path"]
         if path not in _OPEN_MAPS:
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except FileNotFoundError as e:
-                raise SyncError(f"shared-memory bucket {path} does not exist (sender gone?)") from e
-            try:
-                mm = mmap.mmap(fd, payload["nbytes"], flags=mmap.MAP_SHARED | _POPULATE)
-            finally:
-                os.close(fd)
+            mm = _map(path, payload["nbytes"])
             _OPEN_MAPS[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
             while len(_OPEN_MAPS) > _MAX_OPEN_MAPS:  # the sender has at most two buckets in flight
                 _close(_OPEN_MAPS.pop(next(iter(_OPEN_MAPS))))
-        return _OPEN_MAPS[path][1]
+        offset = payload.get("offset", 0)
+        return _OPEN_MAPS[path][1][offset : offset + payload.get("length", payload["nbytes"])]
     if kind == "cuda_ipc":
         rebuild, args = payload["handle"]
         return rebuild(*args)[: payload["nbytes"]]

@@ -1,0 +1,65 @@
+"""The shared-memory segment of the CPU sync path: peers write into the sender's segment, files never leak."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import torch
+
+from megatron_agent.sync.transports import SEGMENT_PREFIX, BucketBuffer, open_bucket, release_buckets, shm_dir
+
+
+def _peer_writes(path: str, nbytes: int) -> None:
+    peer = BucketBuffer(nbytes, shared=True, device="cpu", attach=path)
+    peer.u8[nbytes // 2 :].fill_(7)  # the peer's half
+    peer.close()
+
+
+def test_peer_process_writes_into_the_senders_segment_and_engine_reads_a_slot():
+    seg = BucketBuffer(1 << 16, shared=True, device="cpu")
+    path = seg.path
+    try:
+        seg.u8[: 1 << 15].fill_(3)
+        proc = mp.get_context("spawn").Process(target=_peer_writes, args=(path, 1 << 16))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 0
+        assert os.path.exists(path), "a peer's close must not unlink the sender's segment"
+        payload = seg.payload("shm", 1 << 14, offset=(1 << 15) - (1 << 13))
+        view = open_bucket(payload)
+        assert view.numel() == 1 << 14
+        assert torch.equal(view[: 1 << 13], torch.full((1 << 13,), 3, dtype=torch.uint8))
+        assert torch.equal(view[1 << 13 :], torch.full((1 << 13,), 7, dtype=torch.uint8))
+        del view
+        release_buckets()
+    finally:
+        seg.close()
+    assert not os.path.exists(path)
+
+
+def test_dropped_buffer_unlinks_its_file():
+    seg = BucketBuffer(4096, shared=True, device="cpu")
+    path = seg.path
+    del seg
+    assert not os.path.exists(path)
+
+
+def test_files_of_dead_senders_are_removed():
+    from megatron_agent.sync.transports import remove_stale_segments
+
+    proc = mp.get_context("spawn").Process(target=int)
+    proc.start()
+    proc.join(60)
+    dead = os.path.join(shm_dir(), f"{SEGMENT_PREFIX}{proc.pid}-0")
+    alive = BucketBuffer(4096, shared=True, device="cpu")
+    try:
+        with open(dead, "wb") as f:
+            f.write(b"x")
+        assert remove_stale_segments() >= 1
+        assert not os.path.exists(dead)
+        assert os.path.exists(alive.path), "a live sender's segment is kept"
+    finally:
+        alive.close()
+        if os.path.exists(dead):
+            os.unlink(dead)

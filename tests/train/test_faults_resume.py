@@ -18,8 +18,8 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.conftest import REPO, quickstart_train_cmd
@@ -57,18 +57,17 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _megatron_pid(driver_pid: int, rank: int) -> int:
-    """The pid of Megatron rank `rank` among the driver's descendants (its local Ray cluster)."""
-    log_name = f"megatron_{rank}.log"
-    for proc in psutil.Process(driver_pid).children(recursive=True):
+def _pid_holding(log_path) -> int:
+    """The pid of the process whose stdout is `log_path` (a Megatron worker of this test's run:
+    the path is unique to it, so no other process on the machine can match)."""
+    target = str(log_path)
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
         try:
-            if "MegatronWorker" not in " ".join(proc.cmdline()):
-                continue
-            if any(f.path.endswith(log_name) for f in proc.open_files()):
-                return proc.pid
-        except psutil.Error:
+            if os.readlink(fd_dir / "1") == target:
+                return int(fd_dir.parent.name)
+        except OSError:
             continue
-    raise AssertionError(f"no MegatronWorker process with {log_name} open under pid {driver_pid}")
+    raise AssertionError(f"no process writes its stdout to {target}")
 
 
 @pytest.fixture
@@ -115,9 +114,9 @@ def test_full_disk_then_killed_worker_then_resume_to_the_end(tmp_path, tmpfs):
         assert driver.poll() is None, driver.communicate()
         assert time.time() < deadline, "step 2 was never saved"
         if pid is None and (run_dir / "rollouts" / "step_000002.jsonl").exists():
-            pid = _megatron_pid(driver.pid, 1)  # found ahead, so that the kill follows the save at once
+            pid = _pid_holding(run_dir / "logs" / "megatron_1.log")  # found ahead: kill right after the save
         time.sleep(0.05)
-    os.kill(pid or _megatron_pid(driver.pid, 1), signal.SIGKILL)
+    os.kill(pid or _pid_holding(run_dir / "logs" / "megatron_1.log"), signal.SIGKILL)
     out, err = driver.communicate(timeout=600)
     assert driver.returncode == 1, err[-4000:]
     assert f"resumed from {save_dir / 'step_000001'} (step 1)" in out

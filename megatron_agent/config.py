@@ -64,6 +64,9 @@ class RolloutConfig:
     """Trajectories sampled per prompt (the GRPO group size)."""
     num_engines: int = 1
     """Rollout engine actors; each step's prompts are split across them."""
+    max_engine_restarts: int = 3
+    """Engine processes that may die per run: each is replaced, synced and its prompts rolled out
+    again (`rollout/engine_restarts`); one more death stops the run (docs/faults.md)."""
     colocate: bool = True
     """GPU: engines share the trainer's GPUs (the engine sleeps during the update); else separate GPUs."""
     temperature: float = 1.0
@@ -374,6 +377,9 @@ class DebugConfig:
     forced_first_turn: str = ""
     """Text the engines must emit as every trajectory's first assistant turn (makes a random model
     call tools; '' off)."""
+    kill_engine_at_step: int = 0
+    """RL step at whose rollout engine 0's process kills itself (SIGKILL) after a few engine steps;
+    once per run folder, the replacement does not (0: off)."""
 
 
 @dataclass

@@ -5,7 +5,8 @@
 N actors of one class inside a placement group, each writing its stdout/stderr to
 `<run_dir>/logs/<name>_<rank>.log`, and `call` runs one method on all of them: a worker that
 raises, dies or does not answer within the timeout becomes a `WorkerError` naming the worker,
-its rank and the last lines of its log, never a hang.
+its rank and the last lines of its log, never a hang. A worker whose process died is a
+`WorkerDiedError` (rank, pid), which `replace(rank)` can answer with a new worker.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from typing import Any
 
 class WorkerError(RuntimeError):
     """A worker raised, died or did not answer; the message names it and shows its log's tail."""
+
+
+class WorkerDiedError(WorkerError):
+    """A worker's process died (killed, crashed, out of memory): not a Python exception inside it.
+
+    `rank` is the worker's rank in its group, `pid` its process id (None when Ray did not say)."""
+
+    def __init__(self, message: str, rank: int, pid: int | None = None):
+        super().__init__(message)
+        self.rank, self.pid = rank, pid
 
 
 def start_ray(address: str = "", num_cpus: int = 0) -> bool:
@@ -107,6 +118,7 @@ class WorkerGroup:
         self.log_paths = [Path(log_dir) / f"{name}_{rank}.log" for rank in range(num_workers)]
         remote_cls = ray.remote(actor_cls)
         self.workers = []
+        self._start_args = (remote_cls, [], tuple(init_args))  # for `replace`
         for rank in range(num_workers):
             options: dict[str, Any] = dict(
                 num_cpus=num_cpus,
@@ -121,9 +133,25 @@ class WorkerGroup:
                     placement_group=placement_group,
                     placement_group_bundle_index=bundle_offset + rank,
                 )
+            self._start_args[1].append(options)
             self.workers.append(
                 remote_cls.options(**options).remote(rank, num_workers, str(self.log_paths[rank]), *init_args)
             )
+
+    def replace(self, rank: int):
+        """Kill worker `rank` (if still there) and start a new one with the same rank, placement,
+        options and init args (its log appends to the same file); returns the new handle."""
+        import ray
+
+        try:
+            ray.kill(self.workers[rank])
+        except Exception:  # already dead
+            pass
+        remote_cls, options, init_args = self._start_args
+        self.workers[rank] = remote_cls.options(**options[rank]).remote(
+            rank, len(self.workers), str(self.log_paths[rank]), *init_args
+        )
+        return self.workers[rank]
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -169,7 +197,13 @@ class WorkerGroup:
                 try:
                     results[rank_of[ref]] = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
-                    raise self._error([rank_of[ref]], f"died during {what}(): {_short(exc)}") from None
+                    rank = rank_of[ref]
+                    if getattr(exc, "actor_init_failed", False):  # a Python error in __init__
+                        raise self._error(
+                            [rank], f"failed to start (before {what}()): {_short(exc)}"
+                        ) from None
+                    error = self._error([rank], f"died during {what}(): {_short(exc)}")
+                    raise WorkerDiedError(str(error), rank, _pid(exc)) from None
                 except ray.exceptions.RayTaskError as exc:
                     raise self._error([rank_of[ref]], f"raised in {what}(): {_short(exc)}") from None
         return [results[rank] for rank in ranks]
@@ -197,6 +231,14 @@ def _short(exc: BaseException) -> str:
     text = str(exc).strip()
     lines = [line for line in text.splitlines() if line.strip()]
     return "\n".join(lines[-12:])
+
+
+def _pid(exc: BaseException) -> int | None:
+    """The dead worker's pid from Ray's death report ('pid: N'), or None."""
+    import re
+
+    found = re.search(r"\bpid: (\d+)", str(exc))
+    return int(found.group(1)) if found else None
 
 
 def make_placement_group(num_bundles: int, *, cpus: float, gpus: float, timeout_s: float = 120.0):

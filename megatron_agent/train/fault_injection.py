@@ -11,6 +11,9 @@
 - `forced_turn_hook` / `engine_logits_processors`: the engines emit `debug.forced_first_turn` as
   every trajectory's first assistant turn (the model's own log-probs are still recorded), so that
   a tiny random model calls the tools a drill needs.
+- `kill_engine_mid_rollout`: at RL step `debug.kill_engine_at_step`, rollout engine 0's process
+  kills itself (SIGKILL) in the middle of its rollout; the trainer replaces it
+  (`Trainer.rollout`), once per run folder.
 - `state_checksum`: a digest of this rank's weights and optimizer state, to prove that a skipped
   step changed nothing.
 """
@@ -20,6 +23,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
+import signal
+from pathlib import Path
 
 import torch
 
@@ -167,3 +173,45 @@ def engine_logits_processors(debug) -> list:
     from megatron_agent.rollout.scripted import ForcedTokensLogitsProcessor
 
     return [ForcedTokensLogitsProcessor]
+
+
+KILL_AFTER_ENGINE_STEPS = 3
+"""Engine steps of the doomed rollout that run before `kill_engine_mid_rollout` kills the process."""
+
+
+@contextlib.contextmanager
+def kill_engine_mid_rollout(debug, engine, run_dir, rank: int, greedy: bool = False):
+    """Within one `generate` call: SIGKILL this engine process after a few engine steps, when due.
+
+    Due when `debug.kill_engine_at_step` is the current RL step (the rollout of RL step N runs on
+    weight version N: the first sync makes version 1, each step's sync adds one), on engine 0,
+    not for greedy (validation) rollouts, and only once per run folder: the marker file
+    `<run_dir>/debug/engine_killed_at_step_N` is written just before the kill, so the replacement
+    engine (and a resumed run) carries on. `engine` is the `VLLMEngine` whose `step` the agent
+    loop's pump calls.
+    """
+    step = debug.kill_engine_at_step
+    marker = Path(run_dir) / "debug" / f"engine_killed_at_step_{step}"
+    if not step or greedy or rank != 0 or engine.weight_version != step or marker.exists():
+        yield
+        return
+    real_step, num_steps = engine.step, [0]
+
+    def doomed_step():
+        num_steps[0] += 1
+        if num_steps[0] > KILL_AFTER_ENGINE_STEPS:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"pid {os.getpid()}\n")
+            print(
+                f"debug.kill_engine_at_step={step}: engine {rank} (pid {os.getpid()}) kills itself "
+                f"after {KILL_AFTER_ENGINE_STEPS} engine steps of the rollout",
+                flush=True,
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_step()
+
+    engine.step = doomed_step
+    try:
+        yield
+    finally:
+        del engine.step  # the class's method again

@@ -243,6 +243,8 @@ class MegatronWorker:
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.cfg.model.dtype]
         endpoints = [RayEndpoint(h) for h in engine_handles]
+        if self.sender is not None:  # reconnecting (a replaced engine): free its shared segment
+            self.sender.close()
         self.sender = WeightSender(self.actor, self.cfg.sync, endpoints, rollout_dtype=dtype)
 
     def sync_weights(self) -> dict:

@@ -48,6 +48,7 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
             trajectories, group_ids, group_tasks = collect_rollouts(t, m)
         m.update(rollout_metrics(trajectories))
         m.update(t.tool_metrics())
+        m["rollout/engine_restarts"] = float(t.engine_restarts)  # cumulative over the run
         batch = batch_from_trajectories(trajectories, pad_id=t.tokenizer.pad_token_id or 0)
         batch.group_ids = group_ids
         limits = [cfg.rollout.max_total_tokens - len(tr.prompt_ids) for tr in trajectories]

@@ -43,8 +43,12 @@ class RolloutWorker:
         base = self.loop.config
         if greedy:
             self.loop.config = dataclasses.replace(base, temperature=0.0, top_p=1.0, top_k=-1)
+        from megatron_agent.train.fault_injection import kill_engine_mid_rollout
+
+        run_dir = self.cfg.trainer.run_dir
         try:
-            return self.loop.run(tasks, n)
+            with kill_engine_mid_rollout(self.cfg.debug, self.engine, run_dir, self.rank, greedy):
+                return self.loop.run(tasks, n)  # the drill is a no-op unless debug.kill_engine_at_step
         finally:
             self.loop.config = base
 

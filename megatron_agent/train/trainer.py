@@ -21,7 +21,7 @@ from megatron_agent.data.tasks import Task
 from megatron_agent.rl.kl_controller import make_kl_controller
 from megatron_agent.train.actor_update import old_logprobs_from_update, uses_reference
 from megatron_agent.train.batch import RLBatch
-from megatron_agent.train.cluster import WorkerGroup, start_ray, stop_ray
+from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup, start_ray, stop_ray
 
 logger = logging.getLogger("megatron_agent.train")
 
@@ -138,6 +138,9 @@ class Trainer:
         self.actors: WorkerGroup | None = None
         self.engines: WorkerGroup | None = None
         self._started_ray = False
+        self.engine_restarts = 0  # engines replaced in this run (rollout/engine_restarts)
+        self.weight_version = 0  # the engines' weight version after the latest sync
+        self._engine_reseed: tuple = ()  # the latest reseed, replayed into a replacement engine
 
     # ----------------------------------------------------------------------------- data
     def _load_tasks(self, path: str, seed: int, validation: bool = False) -> tuple[list[Task], int]:
@@ -240,21 +243,84 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- calls
     def rollout(self, tasks: list[Task], n: int, *, greedy: bool = False) -> list:
-        """`n` trajectories per task, tasks split across the engines; task-major order."""
+        """`n` trajectories per task, tasks split across the engines; task-major order.
+
+        An engine whose process dies meanwhile is replaced (`replace_engines`) and its whole share
+        is rolled out again on the new one (its partial trajectories are lost with it)."""
         num = len(self.engines)
         parts = [tasks[i::num] for i in range(num)]
-        ranks = [i for i in range(num) if parts[i]]
-        results = self.engines.call(
-            "generate", per_worker_args=[(parts[i], n, greedy) for i in ranks], ranks=ranks
-        )
+        pending = {i: (parts[i], n, greedy) for i in range(num) if parts[i]}
+        results: dict[int, list] = {}
+        while pending:
+            refs = {rank: self.engines.workers[rank].generate.remote(*a) for rank, a in pending.items()}
+            dead = []
+            for rank, ref in refs.items():  # submitted together; collected one by one
+                try:
+                    results[rank] = self.engines.wait([ref], [rank], "generate")[0]
+                except WorkerDiedError as exc:  # an exception raised inside it stays an error
+                    dead.append(exc)
+            if dead:
+                self.replace_engines(dead)
+            pending = {exc.rank: pending[exc.rank] for exc in dead}
         by_task = {}
-        for rank, trajs in zip(ranks, results):
+        for rank, trajs in sorted(results.items()):
             for k, task in enumerate(parts[rank]):
                 by_task.setdefault(id(task), []).append(trajs[k * n : (k + 1) * n])
         out = []
         for task in tasks:
             out.extend(by_task[id(task)].pop(0))
         return out
+
+    def replace_engines(self, dead: list[WorkerDiedError]) -> None:
+        """Start a new engine for each dead one (same rank and config), reconnect the actor's
+        senders, and sync the current weights into every engine, verified, at the version the
+        engines had: the new engine continues the weight version count.
+
+        Raises the death's `WorkerDiedError` when it would exceed `rollout.max_engine_restarts`."""
+        limit = self.cfg.rollout.max_engine_restarts
+        for exc in dead:
+            if self.engine_restarts >= limit:
+                raise WorkerDiedError(
+                    f"{exc}\nrollout.max_engine_restarts={limit} reached ({self.engine_restarts} engines "
+                    "replaced in this run): the run stops. Look for the cause in the log above (memory, "
+                    "the node), or raise rollout.max_engine_restarts",
+                    exc.rank,
+                    exc.pid,
+                ) from None
+            self.engine_restarts += 1
+            logger.warning(
+                "rollout engine %d (pid %s) died; starting a new one (restart %d of at most %d); "
+                "its prompts are rolled out again:\n%s",
+                exc.rank,
+                exc.pid if exc.pid is not None else "unknown",
+                self.engine_restarts,
+                limit,
+                exc,
+            )
+            self.engines.replace(exc.rank)
+        ranks = [exc.rank for exc in dead]
+        self.engines.call("ping", ranks=ranks)  # the new engines are up (vLLM started)
+        if self._engine_reseed:
+            self.engines.call("reseed", *self._engine_reseed, ranks=ranks)
+        self.actors.call("connect_engines", self.engines.workers)
+        if self.weight_version > 0:  # else every engine still serves the initial weights
+            # Every engine to version - 1, so that this sync (into all of them) ends at `version`.
+            self.engines.call("set_weight_version", self.weight_version - 1)
+            m = self.sync()
+            logger.warning(
+                "rollout engines %s: weights version %d synced (sync/verified=%d, probe max abs diff "
+                "%.2e) in %.1f s",
+                ranks,
+                self.weight_version,
+                m["sync/verified"],
+                m["sync/probe_max_abs"],
+                m["sync/seconds"],
+            )
+
+    def reseed_engines(self, *args) -> None:
+        """`reseed(*args)` on every engine; remembered, so that a replacement engine gets it too."""
+        self._engine_reseed = args
+        self.engines.call("reseed", *args)
 
     def tool_metrics(self) -> dict[str, float]:
         """Sandbox metrics of the engines' tools: unsandboxed calls summed, sandboxed if all are."""
@@ -309,7 +375,9 @@ class Trainer:
 
     def sync(self) -> dict[str, float]:
         """Push the actor's weights into every engine, verified (collective over the Megatron world)."""
-        return self.actors.call("sync_weights")[0]
+        metrics = self.actors.call("sync_weights")[0]
+        self.weight_version = int(metrics["sync/weight_version"])
+        return metrics
 
 
 def fill_rows(batch: RLBatch, name: str, parts: list[tuple[list[int], list]]) -> None:

@@ -1,0 +1,143 @@
+"""A rollout engine's process killed mid-rollout (issue 11 point 5) on the real stack: Ray, one
+Megatron rank over gloo and two vLLM engines, driven step by step from this process.
+
+At RL step 2 of 3, engine 0's process SIGKILLs itself after a few engine steps of its rollout
+(`debug.kill_engine_at_step`). The trainer starts a new engine with the same rank, reconnects the
+actor's senders, syncs the current weights into every engine (verified) at the version they had,
+and rolls out engine 0's whole share again; engine 1's trajectories are kept. Then, in the same
+session: an exception raised inside an engine is an error, not a restart, and a death beyond
+`rollout.max_engine_restarts` stops with the named error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from tests.conftest import REPO
+
+KILL_STEP, NUM_STEPS, N = 2, 3, 2
+TINY = [
+    "sft.steps=0",
+    "parallel.dp=1",
+    "rollout.num_engines=2",
+    "data.train_batch_size=2",  # one prompt per engine
+    "actor.ppo_mini_batch_size=2",
+    f"rollout.n={N}",
+    "rollout.max_new_tokens=24",
+    "data.num_synthetic_val_tasks=2",
+    "logging.plot=false",
+    "trainer.worker_timeout_s=180",
+    f"trainer.total_steps={NUM_STEPS}",
+    f"debug.kill_engine_at_step={KILL_STEP}",
+]
+
+
+def _engine_pids(t) -> list[int]:
+    return t.engines.call("sync_call", "ping")  # the receiver answers with its process id
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory):
+    from megatron_agent.config import config_to_dict, load_config
+    from megatron_agent.train.cluster import WorkerDiedError, WorkerError
+    from megatron_agent.train.rl_loop import rl_step
+    from megatron_agent.train.run_log import RunLogger
+    from megatron_agent.train.run_state import rollout_seed
+    from megatron_agent.train.trainer import Trainer
+
+    run_dir = tmp_path_factory.mktemp("engine_restart") / "run"
+    cfg = load_config(REPO / "examples/quickstart/config.yaml", [*TINY, f"trainer.run_dir={run_dir}"])
+    out: dict = {"run_dir": run_dir, "rows": [], "pids": []}
+    t = Trainer(cfg)
+    run_log = RunLogger(run_dir, cfg.logging, config_dict=config_to_dict(cfg))
+    try:
+        t.start()
+        t.make_update(NUM_STEPS)
+        out["first_sync"] = t.sync()
+        run_log.log(0, out["first_sync"])
+        for step in range(1, NUM_STEPS + 1):
+            out["pids"].append(_engine_pids(t))
+            t.reseed_engines(rollout_seed(cfg.rollout.seed, step))
+            row = rl_step(t, step)
+            run_log.log(step, row)
+            out["rows"].append(row)
+        out["pids"].append(_engine_pids(t))
+        out["final_versions"] = t.engines.call("weight_version")
+
+        # An exception inside an engine (a bad task) stays an error: no restart.
+        try:
+            t.rollout([None, t.train_tasks[0]], 1)
+        except WorkerError as exc:
+            out["raised"] = exc
+        out["restarts_after_raise"] = t.engine_restarts
+        # A death beyond the bound stops with the named error.
+        cfg.rollout.max_engine_restarts = 0
+        victim = out["pids"][-1][1]
+        os.kill(victim, signal.SIGKILL)
+        try:
+            t.rollout(t.train_tasks[:2], 1)
+        except WorkerDiedError as exc:
+            out["bound_error"], out["victim"] = exc, victim
+    finally:
+        run_log.close()
+        t.close()
+    return out
+
+
+def _dump(run_dir, step):
+    path = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_killed_engine_is_replaced_synced_and_its_prompts_rolled_out_again(drill):
+    rows, pids, run_dir = drill["rows"], drill["pids"], drill["run_dir"]
+    assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]  # cumulative
+    assert all(r["sync/verified"] == 1.0 for r in rows)
+    # Engine 0 died during step 2 and was replaced; engine 1 and the replacement lived on.
+    assert pids[0] == pids[1] and pids[2][0] != pids[1][0] and pids[2][1] == pids[1][1]
+    assert pids[3] == pids[2]  # the replacement did not kill itself again at step 3
+    assert (run_dir / "debug" / f"engine_killed_at_step_{KILL_STEP}").read_text() == f"pid {pids[1][0]}\n"
+    log = (run_dir / "logs" / "rollout_0.log").read_text()
+    assert f"debug.kill_engine_at_step={KILL_STEP}: engine 0 (pid {pids[1][0]}) kills itself" in log
+
+    # The version count goes on as in an uninterrupted run: the rollout of step N runs on version N.
+    assert drill["first_sync"]["sync/weight_version"] == 1.0
+    assert [r["sync/weight_version"] for r in rows] == [2.0, 3.0, 4.0]
+    assert drill["final_versions"] == [4, 4]
+    for step in range(1, NUM_STEPS + 1):
+        trajs = _dump(run_dir, step)
+        assert len(trajs) == 2 * N  # every prompt's full group, none lost with the dead engine
+        assert len({tr["uid"] for tr in trajs}) == 2 * N
+        assert all(tr["weight_version"] == step for tr in trajs), [tr["weight_version"] for tr in trajs]
+
+
+def test_the_new_engine_computes_with_the_actors_weights(drill):
+    row = drill["rows"][KILL_STEP - 1]
+    assert row["mismatch/max_abs_diff"] < 1e-3, row["mismatch/max_abs_diff"]
+    # The re-rolled share (engine 0 has task 0: the first N trajectories), token by token.
+    for tr in _dump(drill["run_dir"], KILL_STEP)[:N]:
+        pairs = [(o, r) for o, r, m in zip(tr["old_logprobs"], tr["rollout_logprobs"], tr["loss_mask"]) if m]
+        assert pairs and max(abs(o - r) for o, r in pairs) < 1e-3
+
+
+def test_an_exception_in_an_engine_is_an_error_not_a_restart(drill):
+    from megatron_agent.train.cluster import WorkerDiedError
+
+    exc = drill.get("raised")
+    assert exc is not None and not isinstance(exc, WorkerDiedError)
+    assert "rollout worker rank 0 raised in generate()" in str(exc)
+    assert drill["restarts_after_raise"] == 1
+
+
+def test_a_death_beyond_max_engine_restarts_stops_with_the_named_error(drill):
+    exc = drill.get("bound_error")
+    assert exc is not None, "the engine's death did not stop the rollout"
+    assert exc.rank == 1 and exc.pid == drill["victim"]
+    message = str(exc)
+    assert "rollout worker rank 1 died during generate()" in message
+    assert f"pid: {drill['victim']}" in message
+    assert "rollout.max_engine_restarts=0 reached (1 engines replaced in this run)" in message

@@ -330,7 +330,9 @@ class TrainerConfig:
     resume: str = "auto"
     """'auto' (newest complete checkpoint in the run folder), 'never', or a checkpoint folder."""
     deterministic: bool = False
-    """Bitwise-repeatable rollouts and updates on CPU for the same seed (per-request seeds)."""
+    """Bitwise-repeatable rollouts and updates on CPU for the same seed: per-request sampling seeds
+    from (step, trajectory uid, turn), a lockstep engine schedule and an empty prefix cache at
+    each rollout, so a killed and resumed run repeats an uninterrupted one (docs/resume.md)."""
     seed: int = 42
     """Seed of every RNG (torch, numpy, python, Megatron's TP RNG tracker)."""
     init_from: str = ""
@@ -380,6 +382,9 @@ class DebugConfig:
     kill_engine_at_step: int = 0
     """RL step at whose rollout engine 0's process kills itself (SIGKILL) after a few engine steps;
     once per run folder, the replacement does not (0: off)."""
+    hold_at: str = ""
+    """'PHASE:STEP' (rollout, update or save): hold the run there until it is killed, for resume
+    drills (megatron_agent/train/kill_points.py); '' off."""
 
 
 @dataclass

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,12 +69,22 @@ class AgentLoopConfig:
     """Which part of a long tool output is dropped: left, middle or right."""
     max_in_flight: int = 256
     """Trajectories generating or running tools at once."""
+    seed: int | None = None
+    """Per-request sampling seeds (`request_seed(seed, uid, turn)`); None: the engine's own RNG."""
+    lockstep: bool = False
+    """Deterministic schedule: the engine steps only when every live trajectory waits on it, and
+    admits requests in (uid, turn) order, so batches never depend on tool timing."""
 
     def __post_init__(self):
         if self.truncate_side not in TRUNCATE_SIDES:
             raise ValueError(f"truncate_side={self.truncate_side!r}: choose one of {TRUNCATE_SIDES}")
         if self.max_new_tokens < 1 or self.max_turns < 1 or self.max_total_tokens < 2:
             raise ValueError("max_new_tokens and max_turns must be >= 1 and max_total_tokens >= 2")
+
+
+def request_seed(seed: int, uid: str, turn: int) -> int:
+    """A stable 31-bit sampling seed of one request (trajectory `uid`, `turn`) under `seed`."""
+    return zlib.crc32(f"{seed}:{uid}:{turn}".encode()) & 0x7FFFFFFF
 
 
 def truncate_ids(ids: list[int], max_tokens: int, side: str, marker: list[int]) -> tuple[list[int], bool]:
@@ -119,7 +130,10 @@ class AgentLoop:
 
         async def one(task: Task, index: int) -> Trajectory:
             async with gate:
-                return await self.run_trajectory(task, index)
+                if not self.config.lockstep:
+                    return await self.run_trajectory(task, index)
+                with self.engine.live_trajectory():
+                    return await self.run_trajectory(task, index)
 
         return list(await asyncio.gather(*(one(t, i) for t in tasks for i in range(n_samples))))
 
@@ -143,7 +157,8 @@ class AgentLoop:
             sampling = self._sampling(min(cfg.max_new_tokens, budget), traj, turn)
             try:
                 remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                out = await asyncio.wait_for(self.engine.generate(traj.all_ids, sampling), remaining)
+                request = self.engine.generate(traj.all_ids, sampling, order_key=(traj.uid, turn))
+                out = await asyncio.wait_for(request, remaining)
             except TimeoutError:
                 traj.finish_reason = "timeout"
                 break
@@ -195,6 +210,7 @@ class AgentLoop:
             max_tokens=max_tokens,
             stop=stop,
             stop_token_ids=stop_ids,
+            seed=None if cfg.seed is None else request_seed(cfg.seed, traj.uid, turn),
             extra_args=extra,
         )
 

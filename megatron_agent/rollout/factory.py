@@ -79,6 +79,9 @@ def agent_loop_config(cfg: Config) -> AgentLoopConfig:
         max_tool_response_tokens=t.max_tool_response_tokens,
         truncate_side=t.truncate_side,
         max_in_flight=r.max_in_flight,
+        # Deterministic mode: per-request seeds and the lockstep schedule (docs/resume.md).
+        seed=r.seed if cfg.trainer.deterministic else None,
+        lockstep=cfg.trainer.deterministic,
     )
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from megatron_agent.config import Config, ConfigError, _apply_mapping
+from megatron_agent.train.kill_points import hold_at
 
 
 def config_from_dict(data: dict) -> Config:
@@ -187,6 +188,8 @@ class MegatronWorker:
         with nan_logits(self.actor, self.cfg.debug, batch, step):  # a no-op unless debug.nan_logits_step
             sums = self.update.run(batch, mini_batch_indices, step, decode=self._decode)
         sums["actor/lr"] = self.update.current_lr()
+        if self.rank == 0:
+            hold_at(self.cfg, "update", step)  # resume drills only (debug.hold_at)
         if self.update.old_from_update:
             sums["captured"] = self.update.captured  # old log-probs and entropy of this forward
         return sums if self.info.reports else None
@@ -279,6 +282,7 @@ class MegatronWorker:
             if self.rank == 0:
                 torch.save(trainer_state(self.update), folder / "worker.pt")
                 (folder / DRIVER_FILE).write_text(json.dumps(driver_state))
+                hold_at(self.cfg, "save", driver_state["step"])  # resume drills only
 
         Path(ckpt_dir).parent.mkdir(parents=True, exist_ok=True)
         self.save_error = ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from megatron_agent.train.kill_points import hold_at
 from megatron_agent.train.megatron_worker import config_from_dict
 
 
@@ -33,6 +34,7 @@ class RolloutWorker:
         hook = forced_turn_hook(cfg.debug, self.engine.tokenizer)
         self.loop = build_agent_loop(cfg, self.engine, build_toolset(cfg), turn_hook=hook)
         self.receiver = None
+        self.step = 0
 
     def ping(self) -> int:
         """Liveness check; returns the engine index."""
@@ -43,6 +45,10 @@ class RolloutWorker:
         base = self.loop.config
         if greedy:
             self.loop.config = dataclasses.replace(base, temperature=0.0, top_p=1.0, top_k=-1)
+        if self.cfg.trainer.deterministic and hasattr(self.engine, "reset_prefix_cache"):
+            self.engine.reset_prefix_cache()  # the same (empty) cache whatever ran before
+        if not greedy:
+            hold_at(self.cfg, "rollout", self.step)
         from megatron_agent.train.fault_injection import kill_engine_mid_rollout
 
         run_dir = self.cfg.trainer.run_dir
@@ -52,8 +58,10 @@ class RolloutWorker:
         finally:
             self.loop.config = base
 
-    def reseed(self, seed: int) -> None:
-        """Seed this process's python/numpy/torch RNGs (vLLM samples from torch's) with seed + rank."""
+    def reseed(self, seed: int, step: int = 0) -> None:
+        """Seed this process's python/numpy/torch RNGs (vLLM samples from torch's) with seed + rank,
+        before RL step `step`."""
+        self.step = step
         import random
 
         import numpy as np
@@ -62,6 +70,8 @@ class RolloutWorker:
         random.seed(seed + self.rank)
         np.random.seed((seed + self.rank) % 2**32)
         torch.manual_seed(seed + self.rank)
+        if self.loop.config.seed is not None:  # deterministic mode: per-request seeds of this step
+            self.loop.config = dataclasses.replace(self.loop.config, seed=seed)
 
     def set_weight_version(self, version: int) -> None:
         """Continue the version count of a resumed run (the next sync makes it `version + 1`)."""

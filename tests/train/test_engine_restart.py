@@ -26,6 +26,7 @@ TINY = [
     "rollout.num_engines=2",
     "data.train_batch_size=2",  # one prompt per engine
     "actor.ppo_mini_batch_size=2",
+    "actor.lr=1e-3",  # with the spread reward every step moves the weights: a stale engine would show
     f"rollout.n={N}",
     "rollout.max_new_tokens=24",
     "data.num_synthetic_val_tasks=2",
@@ -34,6 +35,16 @@ TINY = [
     f"trainer.total_steps={NUM_STEPS}",
     f"debug.kill_engine_at_step={KILL_STEP}",
 ]
+
+
+def _task_file(folder):
+    from megatron_agent.data.synthetic import arithmetic_tasks
+    from megatron_agent.data.tasks import write_tasks
+
+    tasks = arithmetic_tasks(4, seed=5)
+    for task in tasks:  # rewards that differ within a group: non-zero advantages for a random model
+        task.reward = {"fn": "tests.train.faulty_tools.spread_reward", "ground_truth": "0"}
+    return write_tasks(folder / "train.jsonl", tasks)
 
 
 def _engine_pids(t) -> list[int]:
@@ -49,8 +60,12 @@ def drill(tmp_path_factory):
     from megatron_agent.train.run_state import rollout_seed
     from megatron_agent.train.trainer import Trainer
 
-    run_dir = tmp_path_factory.mktemp("engine_restart") / "run"
-    cfg = load_config(REPO / "examples/quickstart/config.yaml", [*TINY, f"trainer.run_dir={run_dir}"])
+    root = tmp_path_factory.mktemp("engine_restart")
+    run_dir = root / "run"
+    overrides = [*TINY, f"trainer.run_dir={run_dir}", f"data.train_path={_task_file(root)}"]
+    cfg = load_config(REPO / "examples/quickstart/config.yaml", overrides)
+    old_path = os.environ.get("PYTHONPATH")  # the engines load the reward by dotted path
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), old_path) if p)
     out: dict = {"run_dir": run_dir, "rows": [], "pids": []}
     t = Trainer(cfg)
     run_log = RunLogger(run_dir, cfg.logging, config_dict=config_to_dict(cfg))
@@ -85,6 +100,10 @@ def drill(tmp_path_factory):
     finally:
         run_log.close()
         t.close()
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
     return out
 
 
@@ -95,6 +114,7 @@ def _dump(run_dir, step):
 
 def test_killed_engine_is_replaced_synced_and_its_prompts_rolled_out_again(drill):
     rows, pids, run_dir = drill["rows"], drill["pids"], drill["run_dir"]
+    print("timing_s/gen per step:", [round(r["timing_s/gen"], 2) for r in rows])  # shown with -s
     assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]  # cumulative
     assert all(r["sync/verified"] == 1.0 for r in rows)
     # Engine 0 died during step 2 and was replaced; engine 1 and the replacement lived on.
@@ -116,6 +136,7 @@ def test_killed_engine_is_replaced_synced_and_its_prompts_rolled_out_again(drill
 
 
 def test_the_new_engine_computes_with_the_actors_weights(drill):
+    assert all(r["actor/grad_norm"] > 0 for r in drill["rows"])  # every step changed the weights
     row = drill["rows"][KILL_STEP - 1]
     assert row["mismatch/max_abs_diff"] < 1e-3, row["mismatch/max_abs_diff"]
     # The re-rolled share (engine 0 has task 0: the first N trajectories), token by token.
@@ -141,3 +162,41 @@ def test_a_death_beyond_max_engine_restarts_stops_with_the_named_error(drill):
     assert "rollout worker rank 1 died during generate()" in message
     assert f"pid: {drill['victim']}" in message
     assert "rollout.max_engine_restarts=0 reached (1 engines replaced in this run)" in message
+
+
+class Mortal:
+    """A worker that can die on request (the drill's Ray session is over by now)."""
+
+    def __init__(self, rank, world, log_path):
+        from megatron_agent.train.cluster import redirect_output
+
+        redirect_output(log_path)
+        self.rank = rank
+        print(f"rank {rank} up as pid {os.getpid()}", flush=True)
+
+    def work(self, die: bool):
+        if die and self.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.rank, os.getpid()
+
+
+def test_worker_group_names_a_death_and_replaces_the_worker(tmp_path):
+    from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup, start_ray, stop_ray
+
+    started = start_ray(num_cpus=2)
+    group = WorkerGroup(Mortal, 2, name="mortal", log_dir=tmp_path, num_cpus=0, timeout_s=60)
+    try:
+        (_, pid0), (_, pid1) = group.call("work", False)
+        with pytest.raises(WorkerDiedError) as err:
+            group.call("work", True)
+        assert err.value.rank == 1 and err.value.pid == pid1
+        assert "mortal worker rank 1 died during work()" in str(err.value)
+        group.replace(1)
+        (_, again0), (rank1, new1) = group.call("work", False)
+        assert again0 == pid0 and rank1 == 1 and new1 != pid1  # same rank, a new process
+        log = (tmp_path / "mortal_1.log").read_text()
+        assert f"rank 1 up as pid {pid1}" in log and f"rank 1 up as pid {new1}" in log  # one log, appended
+    finally:
+        group.kill()
+        if started:
+            stop_ray()

@@ -138,7 +138,7 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
         for step in range(done + 1, t.total_steps + 1):
             if stop.requested:
                 break
-            trainer.engines.call("reseed", rollout_seed(cfg.rollout.seed, step), step)
+            trainer.reseed_engines(rollout_seed(cfg.rollout.seed, step), step)
             metrics = rl_step(trainer, step)
             if step == t.total_steps or (t.test_freq and step % t.test_freq == 0):
                 metrics.update(validate(trainer))

@@ -48,10 +48,14 @@ def run_sft(t, log, out_dir: str | Path) -> Path:
 
     s = t.cfg.sft
     sequences, masks, num_skipped = sft_examples(t)
-    logger.info("SFT on %d conversations (%d rows skipped) for %d steps", len(sequences), num_skipped, s.steps)
+    logger.info(
+        "SFT on %d conversations (%d rows skipped) for %d steps", len(sequences), num_skipped, s.steps
+    )
     for step in range(s.steps):
         chosen = sft_batches(len(sequences), s.batch_size, step, seed=s.seed)
-        lr = lr_at(step, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, min_lr_ratio=s.min_lr_ratio)
+        lr = lr_at(
+            step, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, min_lr_ratio=s.min_lr_ratio
+        )
         start = time.perf_counter()
         results = t.actors.call("sft_step", [sequences[i] for i in chosen], [masks[i] for i in chosen], lr)
         metrics = next(r for r in results if r is not None)

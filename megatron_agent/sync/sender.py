@@ -132,6 +132,7 @@ class WeightSender:
         self.model = model
         self.cfg = cfg
         self.endpoints = list(endpoints)
+        self._overlap: bool | None = None  # see _probe_overlaps
         self.dtype = rollout_dtype
         self.role = SyncRole.current()
         self.bucket_bytes = int(cfg.bucket_mb) << 20
@@ -245,9 +246,12 @@ class WeightSender:
         actor_probe: dict = {}
         try:
             # The actor's side of the probe depends only on the actor's weights, which a sync does
-            # not change: it runs first (collectively, on every rank), while the engines are idle.
-            # Run while the engines load, it was 2.7x slower on the 2-core machine (CPU contention).
-            if self.cfg.verify:
+            # not change. It runs (collectively, on every rank) while the engines load the last
+            # buckets when there is a core for each process; on an oversubscribed CPU it runs
+            # first, while the engines are idle (overlapped there, it was 2.7x slower, measured
+            # with the 100M benchmark model at TP2 and one engine on 2 cores).
+            overlap = self._probe_overlaps()
+            if self.cfg.verify and not overlap:
                 actor_probe = self._actor_probe()
             if self.role.in_sending_replica:
                 error = self._prepare()
@@ -259,6 +263,8 @@ class WeightSender:
                 error = self._stream(pipeline, stats)
                 if pipeline is not None and error is None:
                     pipeline.submit_last()
+            if self.cfg.verify and overlap:
+                actor_probe = self._actor_probe()
             if error is None and self._shared is not None:
                 error = self._shared.flush(stats)
             elif error is None and pipeline is not None:
@@ -273,18 +279,22 @@ class WeightSender:
         _raise_first([s["error"] for s in states])
         t_sent = time.perf_counter()
 
-        finish_error, version = None, None
+        finish_error, version, probe_calls = None, None, None
         if self.role.is_leader:
             merged = {k: v for s in states for k, v in s["manifest"].items()}
             try:
                 calls = [ep.call("finish", sync_id, merged) for ep in self.endpoints]
+                # Sent behind `finish` without waiting for it (each engine runs its calls in
+                # order): one round trip fewer. Its answer is read only if `finish` succeeded.
+                if self.cfg.verify:
+                    probe_calls = [ep.call("probe", self.probe_ids) for ep in self.endpoints]
                 version = [c.result(self.cfg.timeout_s) for c in calls][0]
             except SyncError as e:
                 finish_error = str(e)
         t_finished = time.perf_counter()
         result = dict(actor_probe)
         if self.cfg.verify and self.role.is_leader:
-            result.update(self._engine_probe() if finish_error is None else {"tol": self.tol})
+            result.update(self._engine_probe(probe_calls) if finish_error is None else {"tol": self.tol})
         mine = {"error": finish_error, "version": version, **result}
         if self.role.is_leader:
             mine["times"] = (t_start, t_sent, t_finished, time.perf_counter())
@@ -320,10 +330,31 @@ class WeightSender:
         _raise_first([s["error"] for s in states])
         return self._probe_metrics(states)
 
+    def _probe_overlaps(self) -> bool:
+        """True when the actor's probe forward may run while the engines load: on GPU, or on a
+        CPU with a core for every Megatron rank and engine. Decided once, by all ranks together
+        (they must all call the probe's collectives at the same point)."""
+        if self._overlap is None:
+            import os
+
+            import torch.distributed as dist
+
+            if torch.cuda.is_available():  # every rank of a GPU world
+                self._overlap = True
+            else:  # gloo: the CPU counts of the hosts may differ
+                cores = os.cpu_count() or 1
+                flag = torch.tensor([int(dist.get_world_size() + len(self.endpoints) <= cores)])
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                self._overlap = bool(flag.item())
+        return self._overlap
+
     def _actor_probe(self) -> dict:
         """Collective: the actor's log-probs of the probe ids (on the rank that holds them), and the time."""
         t0 = time.perf_counter()
-        actor = self.model.logprobs(self.probe_ids, max_tokens=sum(map(len, self.probe_ids)))
+        # One micro-batch for all the probe rows (rows are padded to the longest): a second
+        # micro-batch doubled the cost of this forward, which is Python overhead at these sizes.
+        rows = len(self.probe_ids) * max(map(len, self.probe_ids))
+        actor = self.model.logprobs(self.probe_ids, max_tokens=rows)
         out: dict = {"actor_probe_s": time.perf_counter() - t0}
         if self.role.holds_probe:
             out["actor"] = [x.float().tolist() for x in actor]

@@ -264,7 +264,7 @@ class WeightSender:
                 if pipeline is not None and error is None:
                     pipeline.submit_last()
             if self.cfg.verify and overlap:
-                actor_probe = self._actor_probe()
+                actor_probe = self._actor_probe(one_thread=not torch.cuda.is_available())
             if error is None and self._shared is not None:
                 error = self._shared.flush(stats)
             elif error is None and pipeline is not None:
@@ -348,13 +348,22 @@ class WeightSender:
                 self._overlap = bool(flag.item())
         return self._overlap
 
-    def _actor_probe(self) -> dict:
-        """Collective: the actor's log-probs of the probe ids (on the rank that holds them), and the time."""
+    def _actor_probe(self, one_thread: bool = False) -> dict:
+        """Collective: the actor's log-probs of the probe ids (on the rank that holds them), and the time.
+
+        `one_thread`: on CPU while the engines load, this tiny forward keeps to one core (with the
+        rank's usual threads it competed with the engine's and took twice as long)."""
         t0 = time.perf_counter()
+        threads = torch.get_num_threads()
+        if one_thread:
+            torch.set_num_threads(1)
         # One micro-batch for all the probe rows (rows are padded to the longest): a second
         # micro-batch doubled the cost of this forward, which is Python overhead at these sizes.
         rows = len(self.probe_ids) * max(map(len, self.probe_ids))
-        actor = self.model.logprobs(self.probe_ids, max_tokens=rows)
+        try:
+            actor = self.model.logprobs(self.probe_ids, max_tokens=rows)
+        finally:
+            torch.set_num_threads(threads)
         out: dict = {"actor_probe_s": time.perf_counter() - t0}
         if self.role.holds_probe:
             out["actor"] = [x.float().tolist() for x in actor]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,3 +74,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def repo_on_pythonpath():
+    """The repository on PYTHONPATH while a module's trainer runs: its Ray workers load test
+    tools and rewards (`tests.*`) by dotted path."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        yield
+
+
+def read_dump(run_dir, step: int) -> list[dict]:
+    """The rows of `<run_dir>/rollouts/step_{step:06d}.jsonl`."""
+    path = Path(run_dir) / "rollouts" / f"step_{step:06d}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]

@@ -11,13 +11,12 @@ session: an exception raised inside an engine is an error, not a restart, and a 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, read_dump
 
 KILL_STEP, NUM_STEPS, N = 2, 3, 2
 TINY = [
@@ -52,7 +51,7 @@ def _engine_pids(t) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def drill(tmp_path_factory):
+def drill(tmp_path_factory, repo_on_pythonpath):
     from megatron_agent.config import config_to_dict, load_config
     from megatron_agent.train.cluster import WorkerDiedError, WorkerError
     from megatron_agent.train.rl_loop import rl_step
@@ -64,8 +63,6 @@ def drill(tmp_path_factory):
     run_dir = root / "run"
     overrides = [*TINY, f"trainer.run_dir={run_dir}", f"data.train_path={_task_file(root)}"]
     cfg = load_config(REPO / "examples/quickstart/config.yaml", overrides)
-    old_path = os.environ.get("PYTHONPATH")  # the engines load the reward by dotted path
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), old_path) if p)
     out: dict = {"run_dir": run_dir, "rows": [], "pids": []}
     t = Trainer(cfg)
     run_log = RunLogger(run_dir, cfg.logging, config_dict=config_to_dict(cfg))
@@ -100,16 +97,7 @@ def drill(tmp_path_factory):
     finally:
         run_log.close()
         t.close()
-        if old_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old_path
     return out
-
-
-def _dump(run_dir, step):
-    path = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_killed_engine_is_replaced_synced_and_its_prompts_rolled_out_again(drill):
@@ -129,7 +117,7 @@ def test_killed_engine_is_replaced_synced_and_its_prompts_rolled_out_again(drill
     assert [r["sync/weight_version"] for r in rows] == [2.0, 3.0, 4.0]
     assert drill["final_versions"] == [4, 4]
     for step in range(1, NUM_STEPS + 1):
-        trajs = _dump(run_dir, step)
+        trajs = read_dump(run_dir, step)
         assert len(trajs) == 2 * N  # every prompt's full group, none lost with the dead engine
         assert len({tr["uid"] for tr in trajs}) == 2 * N
         assert all(tr["weight_version"] == step for tr in trajs), [tr["weight_version"] for tr in trajs]
@@ -140,7 +128,7 @@ def test_the_new_engine_computes_with_the_actors_weights(drill):
     row = drill["rows"][KILL_STEP - 1]
     assert row["mismatch/max_abs_diff"] < 1e-3, row["mismatch/max_abs_diff"]
     # The re-rolled share (engine 0 has task 0: the first N trajectories), token by token.
-    for tr in _dump(drill["run_dir"], KILL_STEP)[:N]:
+    for tr in read_dump(drill["run_dir"], KILL_STEP)[:N]:
         pairs = [(o, r) for o, r, m in zip(tr["old_logprobs"], tr["rollout_logprobs"], tr["loss_mask"]) if m]
         assert pairs and max(abs(o - r) for o, r in pairs) < 1e-3
 

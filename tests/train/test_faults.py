@@ -26,7 +26,7 @@ import time
 import pytest
 
 from megatron_agent.envs.tools import ToolSet
-from tests.conftest import REPO
+from tests.conftest import REPO, read_dump
 from tests.train.faulty_tools import FAULTY, FLOOD_BYTES, TOOL_PATHS, calls_text
 
 NAN_STEP, NAN_SAMPLE, NAN_TOKEN = 2, 1, 3
@@ -80,7 +80,7 @@ def _task_file(folder):
 
 
 @pytest.fixture(scope="module")
-def drill(tmp_path_factory, request):
+def drill(tmp_path_factory, request, repo_on_pythonpath):
     from megatron_agent.commands.train import SaveError, Saver
     from megatron_agent.config import config_to_dict, load_config
     from megatron_agent.train.rl_loop import rl_step
@@ -92,9 +92,6 @@ def drill(tmp_path_factory, request):
     tmpfs = mount_tmpfs(save_dir, TMPFS_BYTES)
     if tmpfs:
         request.addfinalizer(lambda: umount(save_dir))  # also when the session fails
-    # The rollout workers load the faulty tools and the reward by dotted path.
-    old_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), old_path) if p)
     cfg = load_config(
         REPO / "examples/quickstart/config.yaml",
         [
@@ -142,16 +139,7 @@ def drill(tmp_path_factory, request):
     finally:
         run_log.close()
         t.close()
-        if old_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old_path
     return out
-
-
-def _dump(run_dir, step):
-    path = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 # ------------------------------------------------------------------------------------ NaN logits
@@ -173,7 +161,7 @@ def test_culprit_report_names_the_poisoned_token(drill):
     report = json.loads(reports[0].read_text())
     assert "nonfinite_tokens" in report["reasons"]
     culprit = report["breaching_tokens"][0]
-    traj = _dump(run_dir, NAN_STEP)[NAN_SAMPLE]
+    traj = read_dump(run_dir, NAN_STEP)[NAN_SAMPLE]
     assert culprit["sample_id"] == traj["uid"]
     assert culprit["position"] == len(traj["prompt_ids"]) - 1 + NAN_TOKEN  # the logits predicting it
     assert culprit["token_id"] == traj["response_ids"][NAN_TOKEN]
@@ -194,7 +182,7 @@ def test_tool_faults_are_masked_errors_counted_and_the_run_goes_on(drill):
         assert row["tool/timeouts"] == num and row["tool/truncated"] == num
         assert row["tool/errors"] == 3 * num
         assert row["wall_s"] < 120
-        for traj in _dump(run_dir, step):
+        for traj in read_dump(run_dir, step):
             assert [(c["name"], c["status"]) for c in traj["tool_calls"]][:4] == [
                 ("crash", "error"),
                 ("exits", "error"),

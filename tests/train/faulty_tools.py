@@ -4,6 +4,7 @@ rollout workers, so `tests` must be importable there: the tests put the reposito
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -52,6 +53,18 @@ class Flood(Tool):
 
     async def call(self):
         return "x" * FLOOD_BYTES
+
+
+class Jitter(Tool):
+    """Sleeps a random 0-50 ms (from os.urandom, not a seeded RNG), so that tool calls return in
+    an order that differs from run to run (the deterministic-mode drill)."""
+
+    name = "jitter"
+    description = "j"
+
+    def call(self):
+        time.sleep(os.urandom(1)[0] / 255 * 0.05)
+        return "ok"
 
 
 FAULTY = {"crash": Crash, "exits": Exits, "hang": Hang, "flood": Flood}

@@ -54,6 +54,21 @@ def run_torchrun(script_args: list[str], nproc: int, timeout: int = 600) -> subp
     return proc
 
 
+# A short SFT and tiny RL steps of the quickstart config (two prompts x two samples, 4 tasks).
+TINY_SFT_RL = [
+    "sft.steps=2",
+    "sft.batch_size=8",
+    "sft.num_synthetic=64",
+    "sft.warmup_steps=0",
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=1",
+    "rollout.n=2",
+    "rollout.max_new_tokens=16",
+    "data.num_synthetic_tasks=4",
+    "data.num_synthetic_val_tasks=2",
+]
+
+
 def quickstart_train_cmd(run_dir, *overrides) -> list[str]:
     """`python -m megatron_agent train` on the quickstart config in `run_dir`, with overrides."""
     return [

@@ -16,20 +16,11 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO, quickstart_train_cmd, run_torchrun
+from tests.conftest import REPO, TINY_SFT_RL, quickstart_train_cmd, run_torchrun
 
 TOOL = REPO / "tools" / "convert" / "megatron_to_hf.py"
 TRAIN = [
-    "sft.steps=2",
-    "sft.batch_size=8",
-    "sft.num_synthetic=64",
-    "sft.warmup_steps=0",
-    "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=1",
-    "rollout.n=2",
-    "rollout.max_new_tokens=16",
-    "data.num_synthetic_tasks=4",
-    "data.num_synthetic_val_tasks=2",
+    *TINY_SFT_RL,
     "trainer.total_steps=2",
     "trainer.test_freq=0",
     "checkpoint.save_freq=1",

@@ -15,19 +15,10 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO, quickstart_train_cmd
+from tests.conftest import REPO, TINY_SFT_RL, quickstart_train_cmd
 
 TRAIN = [
-    "sft.steps=2",
-    "sft.batch_size=8",
-    "sft.num_synthetic=64",
-    "sft.warmup_steps=0",
-    "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=1",
-    "rollout.n=2",
-    "rollout.max_new_tokens=16",
-    "data.num_synthetic_tasks=4",
-    "data.num_synthetic_val_tasks=2",
+    *TINY_SFT_RL,
     "trainer.test_freq=0",
     "logging.plot=false",
     "algorithm.kl_reward_coef=0.05",

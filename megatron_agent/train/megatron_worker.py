@@ -250,6 +250,11 @@ class MegatronWorker:
             self.sender.close()
         self.sender = WeightSender(self.actor, self.cfg.sync, endpoints, rollout_dtype=dtype)
 
+    def close_sync(self) -> None:
+        """Free the sync's shared memory (a killed actor cannot: Ray skips its exit handlers)."""
+        if self.sender is not None:
+            self.sender.close()
+
     def sync_weights(self) -> dict:
         """Collective: push the actor's weights into every engine and verify them."""
         return self.sender.sync()

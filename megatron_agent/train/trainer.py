@@ -235,6 +235,11 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the workers and a Ray cluster started here."""
+        if self.actors is not None:
+            try:  # best effort, briefly: a failed run's ranks may be stuck in a collective
+                self.actors.call("close_sync", timeout_s=5.0)
+            except Exception:  # noqa: BLE001 - the kill below ends them anyway
+                logger.info("could not close the weight sync's shared memory")
         for group in (self.engines, self.actors):
             if group is not None:
                 group.kill()

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -40,9 +41,17 @@ def _run_train(run_dir, *overrides, timeout=600):
 @pytest.fixture(scope="module")
 def quickstart_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("train") / "run"
+    before = _sync_segments()
     proc = _run_train(run_dir)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # The weight sync's shared memory is freed at the end, though Ray kills its workers.
+    assert _sync_segments() - before == set(), "the run left its sync segment in /dev/shm"
     return run_dir, proc
+
+
+def _sync_segments() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("megatron-agent-sync-*")} if shm.is_dir() else set()
 
 
 def test_quickstart_runs_end_to_end(quickstart_run):

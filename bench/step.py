@@ -82,6 +82,7 @@ def time_logprobs_call(trainer) -> None:
 def run_steps(config: str, overrides: list[str], num_warmup: int, num_steps: int) -> list[dict]:
     """Metrics of `num_warmup + num_steps` RL steps of a fresh trainer (warm-up rows first)."""
     from megatron_agent.config import load_config
+    from megatron_agent.train.actor_update import num_mini_batches
     from megatron_agent.train.rl_loop import rl_step
     from megatron_agent.train.trainer import Trainer
 
@@ -104,7 +105,7 @@ def run_steps(config: str, overrides: list[str], num_warmup: int, num_steps: int
                 sft_log.close()
             trainer.actors.call("restart_from", str(ckpt))
             trainer.actors.call("connect_engines", trainer.engines.workers)
-        num_mini = cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
+        num_mini = num_mini_batches(cfg)
         trainer.make_update(total * cfg.actor.ppo_epochs * num_mini)
         first = trainer.sync()
         if first["sync/verified"] != 1.0:

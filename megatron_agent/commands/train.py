@@ -87,6 +87,7 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
     """Start the workers, restore or warm-start, and run the RL steps; returns the exit status."""
     from megatron_agent.config import config_to_dict
     from megatron_agent.platform.versions import check_versions
+    from megatron_agent.train.actor_update import num_mini_batches
     from megatron_agent.train.cluster import WorkerError, start_ray, stop_ray
     from megatron_agent.train.rl_loop import rl_step, validate
     from megatron_agent.train.run_log import RunLogger
@@ -109,7 +110,7 @@ def run(cfg, trainer, resume_dir, state, stop) -> int:
         started_ray = start_ray(cfg.ray.address, cfg.ray.num_cpus)
         stop.install()
         trainer.start()
-        num_mini = cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
+        num_mini = num_mini_batches(cfg)
         if state is not None:
             saver.ref_from = state.get("ref_from", "")  # resolved by main()
             if saver.ref_from:  # the reference is the SFT result: load it before the actor's state

@@ -55,6 +55,11 @@ def uses_reference(cfg) -> bool:
     return bool(a.kl_loss_coef or a.kl_reward_coef or a.guard_max_abs_kl is not None)
 
 
+def num_mini_batches(cfg) -> int:
+    """Optimizer steps per PPO epoch of an RL step (prompts per step / prompts per mini-batch)."""
+    return cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
+
+
 def old_logprobs_from_update(cfg) -> bool:
     """True when the old log-probs are taken from the update's own forward (`actor.old_logprobs`).
 
@@ -68,7 +73,7 @@ def old_logprobs_from_update(cfg) -> bool:
         from megatron_agent.config import ConfigError
 
         raise ConfigError(f"actor.old_logprobs={a.old_logprobs!r}: choose auto or recompute")
-    one_mini_batch = cfg.data.train_batch_size // (a.ppo_mini_batch_size or cfg.data.train_batch_size) == 1
+    one_mini_batch = num_mini_batches(cfg) == 1
     return (
         a.old_logprobs == "auto"
         and a.ppo_epochs == 1

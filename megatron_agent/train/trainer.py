@@ -22,6 +22,7 @@ from megatron_agent.rl.kl_controller import make_kl_controller
 from megatron_agent.train.actor_update import old_logprobs_from_update, uses_reference
 from megatron_agent.train.batch import RLBatch
 from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup, start_ray, stop_ray
+from megatron_agent.train.kill_points import PHASES as KILL_PHASES
 
 logger = logging.getLogger("megatron_agent.train")
 
@@ -47,6 +48,12 @@ def check_config(cfg: Config) -> None:
     ):
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    hold = cfg.debug.hold_at
+    phase, _, step = hold.partition(":")
+    if hold and (phase not in KILL_PHASES or not step.isdigit()):
+        raise ConfigError(
+            f"debug.hold_at={hold!r}: write PHASE:STEP with PHASE one of {', '.join(KILL_PHASES)}"
+        )
     mini = a.ppo_mini_batch_size or d.train_batch_size
     if d.train_batch_size % mini:
         raise ConfigError(

@@ -111,5 +111,7 @@ def test_bad_config_is_named_before_any_worker_starts(tmp_path):
     assert not (tmp_path / "bad" / "logs").exists()
     proc = _run_train(tmp_path / "bad2", "parallel.tpp=2", timeout=120)
     assert proc.returncode == 2 and "did you mean 'parallel.tp'" in proc.stderr
+    proc = _run_train(tmp_path / "bad4", "debug.hold_at=rollot:2", timeout=120)
+    assert proc.returncode == 2 and "debug.hold_at='rollot:2': write PHASE:STEP" in proc.stderr
     proc = _run_train(tmp_path / "bad3", "model.path=/nonexistent/model", timeout=120)
     assert proc.returncode == 2 and "model.path='/nonexistent/model' is not an HF model folder" in proc.stderr

@@ -90,8 +90,8 @@ def _direct_loader(worker, model) -> DirectLoader | None:
 
 
 def release_on_worker(worker) -> None:
-    """Close the shared-memory maps this worker opened during the sync."""
-    release_buckets()
+    """End of a sync in this worker: close the shared-memory maps of segments that are gone (keep the others)."""
+    release_buckets(keep_live=True)
 
 
 class WeightReceiver:
@@ -174,7 +174,7 @@ class WeightReceiver:
         if self._vllm:
             self.engine.llm.collective_rpc(release_on_worker)
         else:
-            release_buckets()
+            release_buckets(keep_live=True)
         received = self._received if self._sync_id == sync_id else {}
         missing = [k for k in sorted(manifest) if k not in received]
         if missing:

@@ -63,3 +63,43 @@ def test_files_of_dead_senders_are_removed():
         alive.close()
         if os.path.exists(dead):
             os.unlink(dead)
+
+
+def test_engine_keeps_a_segment_mapped_between_syncs_but_never_a_replaced_or_freed_one():
+    from megatron_agent.sync import transports
+
+    release_buckets()
+    seg = BucketBuffer(1 << 16, shared=True, device="cpu")
+    path = seg.path
+    try:
+        seg.u8.fill_(1)
+        first = open_bucket(seg.payload("shm", 1 << 10))
+        ptr = first.data_ptr()
+        del first
+        release_buckets(keep_live=True)  # end of sync 1: the map stays
+        seg.u8.fill_(2)  # sync 2 rewrites the segment in place
+        second = open_bucket(seg.payload("shm", 1 << 10))
+        assert second.data_ptr() == ptr, "the map was rebuilt although the segment is the same"
+        assert int(second[0]) == 2, "a kept map must show the sender's new bytes"
+        del second
+
+        # The sender is replaced by one whose segment has the same name (a reused pid): the old
+        # map must not be read as the new file.
+        seg.close()
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 1 << 16)
+        os.pwrite(fd, b"\x09" * 16, 0)
+        os.close(fd)
+        third = open_bucket({"kind": "shm", "path": path, "nbytes": 1 << 16, "offset": 0, "length": 16})
+        assert torch.equal(third, torch.full((16,), 9, dtype=torch.uint8)), "read the replaced file's old map"
+        del third
+        release_buckets(keep_live=True)  # its file is still there: kept
+        assert path in transports._OPEN_MAPS
+        os.unlink(path)  # the sender freed its segment: the engine must not keep its pages alive
+        release_buckets(keep_live=True)
+        assert path not in transports._OPEN_MAPS
+    finally:
+        release_buckets()
+        seg.close()
+        if os.path.exists(path):
+            os.unlink(path)

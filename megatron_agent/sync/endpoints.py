@@ -15,6 +15,7 @@ header and a shared-memory name or CUDA handle), never tensors one at a time.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import shutil
@@ -118,6 +119,7 @@ class SubprocessEndpoint:
     ):
         import multiprocessing as mp
 
+        from megatron_agent.rollout.engine import engine_process_env
         from megatron_agent.sync.server import serve_engine
 
         self._dir = tempfile.mkdtemp(prefix="megatron-agent-engine-")
@@ -137,7 +139,10 @@ class SubprocessEndpoint:
             ),
             name=name,
         )
-        self.process.start()
+        # Variables the engine process must have from its start (glibc reads its tunables at
+        # exec, before serve_engine applies `env`): the spawned interpreter inherits os.environ.
+        with _exported({**engine_process_env(), **(env or {})}):
+            self.process.start()
         self.handle = {"address": address, "authkey": authkey, "pid": self.process.pid, "name": name}
         deadline = time.monotonic() + start_timeout_s
         ready = address + ".ready"
@@ -186,6 +191,21 @@ class SubprocessEndpoint:
                 self.process.join(timeout_s)
         self._client.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _exported(env: dict[str, str]):
+    """`env` in os.environ for the duration (to start a child process with it), then restored."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class _Client:

@@ -197,6 +197,7 @@ class Trainer:
     # ----------------------------------------------------------------------------- workers
     def start(self, engines: bool = True) -> None:
         """Start Ray, the Megatron world and (unless `engines=False`) the rollout engines."""
+        from megatron_agent.rollout.engine import engine_process_env
         from megatron_agent.train.megatron_worker import MegatronWorker
         from megatron_agent.train.rollout_worker import RolloutWorker
 
@@ -232,6 +233,7 @@ class Trainer:
             num_gpus=cfg.rollout.tp if on_gpu and not cfg.rollout.colocate else 0,
             init_args=(cfg_dict, self.model_path),
             timeout_s=timeout,
+            env_vars=engine_process_env(),
         )
         self.engines.call("ping")
         self.actors.call("connect_engines", self.engines.workers)

@@ -134,13 +134,12 @@ class SubprocessEndpoint:
                 engine_class,
                 str(model_path),
                 dict(engine_kwargs or {}),
-                dict(env or {}),
                 os.getpid(),
             ),
             name=name,
         )
-        # Variables the engine process must have from its start (glibc reads its tunables at
-        # exec, before serve_engine applies `env`): the spawned interpreter inherits os.environ.
+        # The engine's environment is set from its start (glibc reads its tunables at exec, torch
+        # and vLLM their settings at import): the spawned interpreter inherits os.environ.
         with _exported({**engine_process_env(), **(env or {})}):
             self.process.start()
         self.handle = {"address": address, "authkey": authkey, "pid": self.process.pid, "name": name}

@@ -1,7 +1,7 @@
 """The engine process behind `SubprocessEndpoint`: a VLLMEngine + WeightReceiver on a local socket.
 
-Kept free of heavy imports at module level: the spawned process applies its environment
-(threads, vLLM settings) before torch and vLLM are imported. Calls from all connections are
+Kept free of heavy imports at module level. The process starts with its environment (threads,
+vLLM settings, glibc tunables) already set by `SubprocessEndpoint`. Calls from all connections are
 served one at a time (the engine is not thread-safe). The process exits when asked to, or when
 the process that started it is gone.
 """
@@ -18,14 +18,12 @@ def serve_engine(
     engine_class: str,
     model_path: str,
     engine_kwargs: dict,
-    env: dict,
     parent_pid: int,
 ) -> None:
     """Process main: build the engine, then answer (id, method, args, kwargs) calls until shut down.
 
     `engine_class` is 'module:Class' (VLLMEngine by default), built as Class(model_path, **engine_kwargs).
     """
-    os.environ.update(env)
     import importlib
     from multiprocessing.connection import Listener
 

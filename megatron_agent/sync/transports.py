@@ -203,7 +203,14 @@ class _OpenMap:
     def __init__(self, path: str, nbytes: int):
         self.mm, self.inode = _map(path, nbytes)
         self.u8 = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.nbytes = nbytes
+        self.path, self.nbytes = path, nbytes
+
+    def current(self) -> bool:
+        """Whether the path still names the file this maps (not unlinked, not replaced)."""
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except FileNotFoundError:
+            return False
 
 
 # Engine side: the senders' segments stay mapped from one sync to the next. Mapping 512 MiB of
@@ -217,13 +224,6 @@ _OPEN_MAPS: dict[str, _OpenMap] = {}
 _MAX_OPEN_MAPS = 4
 
 
-def _inode(path: str) -> int | None:
-    try:
-        return os.stat(path).st_ino
-    except FileNotFoundError:
-        return None
-
-
 def open_bucket(payload: dict, *, nccl_group=None) -> torch.Tensor:
     """The bucket's bytes as a 1-D uint8 tensor on the engine side."""
     kind = payload["kind"]
@@ -232,7 +232,7 @@ def open_bucket(payload: dict, *, nccl_group=None) -> torch.Tensor:
     if kind == "shm":
         path, nbytes = payload["path"], payload["nbytes"]
         entry = _OPEN_MAPS.get(path)
-        if entry is not None and (entry.nbytes != nbytes or entry.inode != _inode(path)):
+        if entry is not None and (entry.nbytes != nbytes or not entry.current()):
             _close(_OPEN_MAPS.pop(path))  # the name now belongs to another file
             entry = None
         if entry is None:
@@ -257,7 +257,7 @@ def release_buckets(keep_live: bool = False) -> None:
     `keep_live`: keep the maps whose file its sender still holds (the next sync reads the same
     segment) and close only those whose file was unlinked or replaced."""
     for path, entry in list(_OPEN_MAPS.items()):
-        if not (keep_live and entry.inode == _inode(path)):
+        if not (keep_live and entry.current()):
             _close(_OPEN_MAPS.pop(path))
 
 

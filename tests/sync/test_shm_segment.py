@@ -103,3 +103,17 @@ def test_engine_keeps_a_segment_mapped_between_syncs_but_never_a_replaced_or_fre
         seg.close()
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_checksum_work_is_split_by_bytes_and_survives_the_int64_all_reduce():
+    from megatron_agent.sync.shm_stream import _to_int64, split_by_bytes
+
+    sizes = [98, 4, 12, 6, 4, 12, 6, 1]
+    owner = split_by_bytes(sizes, 2)
+    assert owner == split_by_bytes(sizes, 2)  # the same on every TP rank
+    load = [sum(n for n, o in zip(sizes, owner) if o == p) for p in (0, 1)]
+    assert sorted(load) == [45, 98]  # the largest alone, everything else on the other rank
+    assert split_by_bytes(sizes, 1) == [0] * len(sizes)
+    for digest in (0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1):
+        packed = torch.tensor([_to_int64(digest)], dtype=torch.int64) + torch.zeros(1, dtype=torch.int64)
+        assert int(packed.item()) % (1 << 64) == digest

@@ -4,10 +4,11 @@
 forwards to (a pipe server, a Ray actor method, or a direct call). Methods:
 
 - `info()`: pid, host, device, weight_version, number of engine workers.
-- `load_bucket(header, payload)`: open the bucket (zero-copy), recompute every tensor's checksum,
-  and load the tensors in place (on CPU the checksums run on a second thread during the load). In a vLLM engine this runs inside each worker
-  (`collective_rpc`), so a TP engine shards the full HF tensors itself; an unquantized TP1 engine
-  on CPU is loaded in one pass by `cpu_loader.DirectLoader`, any other with vLLM's `reload_weights`.
+- `load_bucket(header, payload)`: open the bucket (zero-copy), recompute every tensor's checksum
+  (on CPU on a second thread during the load), and load the tensors in place. In a vLLM engine
+  this runs inside each worker (`collective_rpc`), so a TP engine shards the full HF tensors
+  itself; an unquantized TP1 engine on CPU is loaded in one pass by `cpu_loader.DirectLoader`,
+  any other with vLLM's `reload_weights`.
 - `finish(sync_id, manifest)`: check that every bucket the senders sent arrived, then reset the
   prefix cache once and bump `weight_version` once.
 - `probe(sequences)`: prompt log-probs of fixed token ids (log p(token i | tokens < i)).

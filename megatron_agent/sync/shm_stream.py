@@ -163,7 +163,7 @@ class SharedStream:
 
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
         stats["checksum_s"] += time.perf_counter() - t0
-        return [v % (1 << 64) if algo != "wsum64" else v for v in values.tolist()]
+        return [v % (1 << 64) for v in values.tolist()]
 
     def _header(self, sync_id: int, bucket, sums: list[int] | None, stats: dict) -> BucketHeader:
         header = BucketHeader(sync_id, self.s.role.rank, bucket.index, self.algo)
@@ -216,5 +216,5 @@ def split_by_bytes(sizes: list[int], parts: int) -> list[int]:
 
 
 def _to_int64(value: int) -> int:
-    """A checksum as a signed 64-bit value (XXH3's and CRC-32's are unsigned; wsum64's fit already)."""
+    """An unsigned 64-bit checksum (XXH3, CRC-32) as the signed value an int64 tensor holds."""
     return value - (1 << 64) if value >= 1 << 63 else value

@@ -183,7 +183,9 @@ class WeightSender:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        decision: tuple[str, str | None] = ("gather", None)
+        # (mode, error message, checksum algorithm): the TP peers of the shm path checksum their
+        # share of every bucket with the sender's algorithm.
+        decision: tuple[str, str | None, str] = ("gather", None, "")
         if self.role.is_sender:
             try:
                 if self.transports is None:
@@ -193,16 +195,16 @@ class WeightSender:
                     and self.quantizer is None
                     and set(self.transports) <= {"shm", "direct"}
                 ):
-                    decision = ("shm", None)
+                    decision = ("shm", None, self.algo)
             except (SyncError, ValueError) as e:
-                decision = (type(e).__name__, str(e))
+                decision = (type(e).__name__, str(e), "")
         if ps.get_tensor_model_parallel_world_size() > 1:
             box = [decision]
             dist.broadcast_object_list(
                 box, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group()
             )
             decision = box[0]
-        mode, message = decision
+        mode, message, algo = decision
         if mode == "ValueError":
             raise ValueError(message)
         if message is not None:
@@ -211,7 +213,7 @@ class WeightSender:
         if mode == "shm":
             from megatron_agent.sync.shm_stream import SharedStream
 
-            self._shared = SharedStream(self)
+            self._shared = SharedStream(self, algo)
         return None
 
     def close(self) -> None:

@@ -29,16 +29,18 @@ import time
 
 import torch
 
-from megatron_agent.sync.buckets import BucketHeader, SyncError, TensorEntry, checksum, default_algo
+from megatron_agent.sync.buckets import BucketHeader, SyncError, TensorEntry, checksum
 from megatron_agent.sync.layout import StagePlan, build_plan, write_bucket
 from megatron_agent.sync.transports import BucketBuffer, remove_stale_segments
 from megatron_agent.weights.export import unwrap
 
 
 class SharedStream:
-    """One stage's TP ranks (of the sending replica) streaming through a shared segment."""
+    """One stage's TP ranks (of the sending replica) streaming through a shared segment.
 
-    def __init__(self, sender):
+    `algo`: the sender's checksum algorithm ('' without verification), known to every TP rank."""
+
+    def __init__(self, sender, algo: str):
         from megatron.core import parallel_state as ps
 
         self.s = sender
@@ -46,9 +48,7 @@ class SharedStream:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
         self.src = ps.get_tensor_model_parallel_src_rank()
-        # Every TP rank checksums a share of each bucket, so each needs the algorithm (the
-        # sender's choice for CPU buffers, which this path always uses).
-        self.algo = default_algo(torch.device("cpu")) if sender.cfg.verify else ""
+        self.algo = algo
         self.plan: StagePlan | None = None
         self.segment: BucketBuffer | None = None
         self.in_flight: list[list] = [[], []]
@@ -127,10 +127,10 @@ class SharedStream:
             t2 = time.perf_counter()
             stats["pack_s"] += t1 - t0
             stats["barrier_s"] += t2 - t1
-            sums = self._checksums(bucket, stats) if self.algo and not failed else None
+            entries = self._entries(bucket, stats) if not failed else []
             if sender and not failed:
                 try:
-                    header = self._header(sync_id, bucket, sums, stats)
+                    header = self._header(sync_id, bucket.index, entries, stats)
                     in_flight[slot] = self._submit(header, plan.slot_offset(bucket.index))
                     manifest[header.key] = header.names()
                 except SyncError as e:
@@ -144,12 +144,15 @@ class SharedStream:
             error = self._wait(self.in_flight, slot, stats) or error
         return error
 
-    def _checksums(self, bucket, stats: dict) -> list[int]:
-        """Collective over the TP group: the checksum of every tensor of the bucket just written.
+    def _entries(self, bucket, stats: dict) -> list[TensorEntry]:
+        """The header entries of the bucket just written, with checksums when verifying.
 
-        Each TP rank checksums its share (`split_by_bytes`); one all-reduce (SUM over values that
-        only the owning rank set) gives every rank all of them."""
+        Collective over the TP group when verifying: each TP rank checksums its share
+        (`split_by_bytes`); one all-reduce (SUM over values that only the owning rank set) gives
+        every rank all of them."""
         algo, entries = self.algo, bucket.entries(self.s.dtype)
+        if not algo:
+            return entries
         t0 = time.perf_counter()
         owner = split_by_bytes([e.nbytes for e in entries], self.tp)
         values = torch.zeros(len(entries), dtype=torch.int64)
@@ -163,14 +166,14 @@ class SharedStream:
 
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
         stats["checksum_s"] += time.perf_counter() - t0
-        return [v % (1 << 64) for v in values.tolist()]
+        return [
+            TensorEntry(e.name, e.shape, e.dtype, e.offset, e.nbytes, v % (1 << 64))
+            for e, v in zip(entries, values.tolist(), strict=True)
+        ]
 
-    def _header(self, sync_id: int, bucket, sums: list[int] | None, stats: dict) -> BucketHeader:
-        header = BucketHeader(sync_id, self.s.role.rank, bucket.index, self.algo)
-        for i, e in enumerate(bucket.entries(self.s.dtype)):
-            if sums is not None:
-                e = TensorEntry(e.name, e.shape, e.dtype, e.offset, e.nbytes, sums[i])
-            header.entries.append(e)
+    def _header(self, sync_id: int, index: int, entries: list[TensorEntry], stats: dict) -> BucketHeader:
+        header = BucketHeader(sync_id, self.s.role.rank, index, self.algo)
+        header.entries.extend(entries)
         stats["bytes"] += header.payload_bytes
         stats["num_buckets"] += 1
         return header

@@ -4,11 +4,10 @@
 forwards to (a pipe server, a Ray actor method, or a direct call). Methods:
 
 - `info()`: pid, host, device, weight_version, number of engine workers.
-- `load_bucket(header, payload)`: open the bucket (zero-copy), recompute every tensor's checksum
-  (on CPU on a second thread during the load), and load the tensors in place. In a vLLM engine
-  this runs inside each worker (`collective_rpc`), so a TP engine shards the full HF tensors
-  itself; an unquantized TP1 engine on CPU is loaded in one pass by `cpu_loader.DirectLoader`,
-  any other with vLLM's `reload_weights`.
+- `load_bucket(header, payload)`: open the bucket (zero-copy), recompute every tensor's checksum,
+  and load the tensors in place. In a vLLM engine this runs inside each worker
+  (`collective_rpc`), so a TP engine shards the full HF tensors itself; an unquantized TP1 engine
+  on CPU is loaded in one pass by `cpu_loader.DirectLoader`, any other with vLLM's `reload_weights`.
 - `finish(sync_id, manifest)`: check that every bucket the senders sent arrived, then reset the
   prefix cache once and bump `weight_version` once.
 - `probe(sequences)`: prompt log-probs of fixed token ids (log p(token i | tokens < i)).
@@ -20,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
 
@@ -55,84 +53,29 @@ TIED_EMBEDDING = "model.embed_tokens.weight"
 def load_bucket_on_worker(worker, header: BucketHeader, payload: dict, verify: bool) -> dict:
     """Run inside a vLLM worker (or with worker=None for a non-vLLM engine): check and load one bucket.
 
-    Returns {"bad": (name, expected, got)} on a checksum mismatch, else timings. On CPU in a vLLM
-    worker the checksums are recomputed on a second thread while the bucket loads (XXH3 and the
-    load both release the GIL; serially they added 0.035 s to the benchmark's 0.18 s sync): a
-    mismatch is then reported after the load, so the sync fails and `finish` never bumps the
-    weight version. Elsewhere (GPU buffers, a non-vLLM engine that loads after this returns) the
-    bucket is checked before anything is loaded.
+    Returns {"bad": (name, expected, got)} on a checksum mismatch (nothing loaded), else timings.
     """
     from megatron_agent.sync.nccl import worker_group
 
     u8 = open_bucket(payload, nccl_group=worker_group(worker))
-    check = _ChecksumCheck(u8, header) if verify and header.algo else None
-    if check is not None and (worker is None or u8.device.type != "cpu"):
-        check.run()
-        check.raise_error()
-        if check.bad is not None:
-            return {"bad": check.bad}
-    elif check is not None:
-        check.start()
+    t0 = time.perf_counter()
+    if verify and header.algo:
+        bad = first_bad_entry(u8, header)
+        if bad is not None:
+            entry, got = bad
+            return {"bad": (entry.name, entry.checksum, got)}
     t1 = time.perf_counter()
-    try:
-        if worker is not None:
-            model = worker.model_runner.get_model()
-            loader = _direct_loader(worker, model)
-            if loader is not None:
-                loader.load(u8, header)
-            else:
-                with _quiet_partial_reload():
-                    worker.reload_weights(weights_iterator=iter_views(u8, header))
-            if TIED_EMBEDDING in header.names():
-                refresh_tied_lm_head(model)
-    finally:
-        if check is not None:
-            check.wait()  # never leave a thread reading a bucket the sender may rewrite
-    load_s = time.perf_counter() - t1
-    if check is not None:
-        check.raise_error()
-        if check.bad is not None:
-            return {"bad": check.bad}
-    seconds = check.seconds if check is not None else 0.0
-    return {"checksum_s": seconds, "load_s": load_s, "u8": u8 if worker is None else None}
-
-
-class _ChecksumCheck:
-    """Recompute a bucket's checksums, here (`run`) or on a thread (`start`, then `wait`)."""
-
-    def __init__(self, u8, header: BucketHeader):
-        self.u8, self.header = u8, header
-        self.bad: tuple[str, int, int] | None = None  # (tensor name, sent checksum, received)
-        self.seconds = 0.0
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-
-    def run(self) -> None:
-        """Check every tensor of the bucket; sets `bad` for the first that differs."""
-        t0 = time.perf_counter()
-        try:
-            found = first_bad_entry(self.u8, self.header)
-            if found is not None:
-                entry, got = found
-                self.bad = (entry.name, entry.checksum, got)
-        except BaseException as e:  # noqa: BLE001 - re-raised by raise_error() on the caller's thread
-            self._error = e
-        self.seconds = time.perf_counter() - t0
-
-    def start(self) -> None:
-        """Run the check on a second thread."""
-        self._thread = threading.Thread(target=self.run, name="sync-checksum", daemon=True)
-        self._thread.start()
-
-    def wait(self) -> None:
-        """Wait for the thread, if one was started."""
-        if self._thread is not None:
-            self._thread.join()
-
-    def raise_error(self) -> None:
-        """Raise what the check itself raised, if anything."""
-        if self._error is not None:
-            raise self._error
+    if worker is not None:
+        model = worker.model_runner.get_model()
+        loader = _direct_loader(worker, model)
+        if loader is not None:
+            loader.load(u8, header)
+        else:
+            with _quiet_partial_reload():
+                worker.reload_weights(weights_iterator=iter_views(u8, header))
+        if TIED_EMBEDDING in header.names():
+            refresh_tied_lm_head(model)
+    return {"checksum_s": t1 - t0, "load_s": time.perf_counter() - t1, "u8": u8 if worker is None else None}
 
 
 _LOADERS: dict[int, DirectLoader | None] = {}

@@ -29,6 +29,7 @@ update, and the sync's share. Targets: overhead_ratio <=
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import math
 import sys
@@ -82,7 +83,7 @@ def time_logprobs_call(trainer) -> None:
 def run_steps(config: str, overrides: list[str], num_warmup: int, num_steps: int) -> list[dict]:
     """Metrics of `num_warmup + num_steps` RL steps of a fresh trainer (warm-up rows first)."""
     from megatron_agent.config import load_config
-    from megatron_agent.train.actor_update import num_mini_batches
+    from megatron_agent.train.cluster import ray_cluster
     from megatron_agent.train.rl_loop import rl_step
     from megatron_agent.train.trainer import Trainer
 
@@ -92,7 +93,7 @@ def run_steps(config: str, overrides: list[str], num_warmup: int, num_steps: int
     total = num_warmup + num_steps
     trainer = Trainer(cfg)
     rows = []
-    try:
+    with ray_cluster(cfg.ray.address, cfg.ray.num_cpus), contextlib.closing(trainer):
         trainer.start()
         if cfg.sft.steps > 0:  # as `train` does: SFT first, then RL from its checkpoint
             from megatron_agent.train.run_log import RunLogger
@@ -105,8 +106,7 @@ def run_steps(config: str, overrides: list[str], num_warmup: int, num_steps: int
                 sft_log.close()
             trainer.actors.call("restart_from", str(ckpt))
             trainer.actors.call("connect_engines", trainer.engines.workers)
-        num_mini = num_mini_batches(cfg)
-        trainer.make_update(total * cfg.actor.ppo_epochs * num_mini)
+        trainer.make_update(total * cfg.actor.ppo_epochs * trainer.plan.num_mini_batches)
         first = trainer.sync()
         if first["sync/verified"] != 1.0:
             raise RuntimeError(
@@ -124,8 +124,6 @@ def run_steps(config: str, overrides: list[str], num_warmup: int, num_steps: int
                 f"response_length/mean {row['response_length/mean']:.1f}",
                 flush=True,
             )
-    finally:
-        trainer.close()
     return rows
 
 

@@ -86,17 +86,13 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from megatron_agent.config import ConfigError, load_config
 
+    flags = {"model.path": args.model, "data.val_path": args.data, "trainer.run_dir": args.run_dir}
+    overrides = [*args.overrides, *(f"{key}={value}" for key, value in flags.items() if value)]
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.model:
-        cfg.model.path = args.model
-    if args.data:
-        cfg.data.val_path = args.data
-    if args.run_dir:
-        cfg.trainer.run_dir = args.run_dir
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TMPDIR", str(run_dir))

@@ -186,7 +186,8 @@ class StepGuard:
 
     `run_dir`: where `guard/step_{N:06d}.json` reports go. `group`: the process group whose ranks
     must agree (default: the world when initialised, else local). `console`: print the culprit
-    table on the group's first rank.
+    table on the group's first rank. `enabled=False` (algorithm.guard_enabled=false): nothing is
+    observed and no step is skipped, not even a non-finite one.
     """
 
     def __init__(
@@ -198,6 +199,7 @@ class StepGuard:
         max_consecutive_skips: int = 3,
         group: dist.ProcessGroup | None = None,
         console: bool = True,
+        enabled: bool = True,
     ):
         if top_k < 1:
             raise ValueError(f"guard top_k must be >= 1, got {top_k}")
@@ -209,6 +211,7 @@ class StepGuard:
         self.max_consecutive_skips = max_consecutive_skips
         self.group = group
         self.console = console
+        self.enabled = enabled
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self._reset()
@@ -233,12 +236,15 @@ class StepGuard:
             top_k=algorithm.guard_top_k,
             max_consecutive_skips=algorithm.guard_max_consecutive_skips,
             group=group,
+            enabled=algorithm.guard_enabled,
         )
 
     # ---- per micro-batch -------------------------------------------------------------------
     @torch.no_grad()
     def observe(self, batch: GuardBatch) -> None:
         """Record one micro-batch: maxima, counts and the top-k candidate tokens (stays on device)."""
+        if not self.enabled:
+            return
         mask = batch.loss_mask.bool()
         shape = mask.shape
         if mask.dim() != 2:
@@ -371,6 +377,8 @@ class StepGuard:
         `max_grad_norm`).
         Raises `GuardError` when this is breach number `max_consecutive_skips + 1` in a row.
         """
+        if not self.enabled:
+            return GuardDecision(skip=False, reasons=[], report_path=None, metrics={"guard/skipped": 0.0})
         group = self.group if self.group is not None else _default_group()
         lim = self.limits
         flags = dict.fromkeys(_REASONS, False)

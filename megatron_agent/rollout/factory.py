@@ -48,12 +48,15 @@ def build_engine(cfg: Config, model_path: str, cache_dir: str | None = None, log
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: choose one of {ENGINES}")
 
 
-def build_toolset(cfg: Config, names: list[str] | None = None) -> ToolSet:
-    """Tools of `names` (default `cfg.tools.enabled`), with the configured timeout."""
+def build_toolset(
+    cfg: Config, names: list[str] | tuple[str, ...] | None = None, search_index_dir: str | None = None
+) -> ToolSet:
+    """Tools of `names` (default `cfg.tools.enabled`; a run passes `RunPlan.tools`), with the
+    configured timeout; the search index is `search_index_dir` or `cfg.tools.search_index_dir`."""
     tools = [
         make_tool(
             name,
-            search_index_dir=cfg.tools.search_index_dir,
+            search_index_dir=search_index_dir or cfg.tools.search_index_dir,
             search_top_k=cfg.tools.search_top_k,
             python_memory_mb=cfg.tools.python.memory_mb,
             python_sandbox=cfg.tools.python.sandbox,

@@ -49,43 +49,14 @@ def parallel_info() -> ParallelInfo:
     )
 
 
-def uses_reference(cfg) -> bool:
-    """True when the step needs the frozen reference's log-probs (a KL term or the KL guard)."""
-    a = cfg.algorithm
-    return bool(a.kl_loss_coef or a.kl_reward_coef or a.guard_max_abs_kl is not None)
-
-
-def num_mini_batches(cfg) -> int:
-    """Optimizer steps per PPO epoch of an RL step (prompts per step / prompts per mini-batch)."""
-    return cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
-
-
-def old_logprobs_from_update(cfg) -> bool:
-    """True when the old log-probs are taken from the update's own forward (`actor.old_logprobs`).
-
-    Only for on-policy steps: one PPO epoch over one mini-batch, so the weights of that forward
-    are the weights that are "old", and nothing needs the old log-probs before the update (no KL
-    in the reward, no rollout IS weights). The loss then uses the detached current log-probs as
-    old ones: the ratio is exactly 1 and the gradient is the on-policy policy gradient.
-    """
-    a, algo = cfg.actor, cfg.algorithm
-    if a.old_logprobs not in ("auto", "recompute"):
-        from megatron_agent.config import ConfigError
-
-        raise ConfigError(f"actor.old_logprobs={a.old_logprobs!r}: choose auto or recompute")
-    one_mini_batch = num_mini_batches(cfg) == 1
-    return (
-        a.old_logprobs == "auto"
-        and a.ppo_epochs == 1
-        and one_mini_batch
-        and not algo.kl_reward_coef
-        and algo.rollout_is == "none"
-    )
-
-
 @torch.no_grad()
 def shard_logprobs(
-    model, sequences: list[list[int]], *, micro_batch_tokens: int, with_entropy: bool
+    model,
+    sequences: list[list[int]],
+    *,
+    micro_batch_tokens: int,
+    with_entropy: bool,
+    chunk_tokens: int = 1024,
 ) -> tuple[list[int], list[torch.Tensor] | None, list[torch.Tensor] | None]:
     """Forward-only log-probs (and entropy) of this DP rank's share of `sequences`.
 
@@ -95,7 +66,10 @@ def shard_logprobs(
     info = parallel_info()
     indices = dp_shard(list(range(len(sequences))), info.dp_rank, info.dp_size)
     logp, entropy = model.forward_only(
-        [sequences[i] for i in indices], max_tokens=micro_batch_tokens, with_entropy=with_entropy
+        [sequences[i] for i in indices],
+        max_tokens=micro_batch_tokens,
+        with_entropy=with_entropy,
+        chunk_tokens=chunk_tokens,
     )
     model.offload()
     if logp is None:
@@ -107,11 +81,22 @@ class PPOUpdate:
     """The actor's optimisation for RL steps: PPO epochs over mini-batches, the guard, the LR schedule."""
 
     def __init__(
-        self, model, algorithm, actor, guard: StepGuard, scheduler, *, horizon: int, old_from_update: bool
+        self,
+        model,
+        algorithm,
+        actor,
+        guard: StepGuard,
+        scheduler,
+        *,
+        horizon: int,
+        old_from_update: bool,
+        chunk_tokens: int = 1024,
     ):
         """`algorithm`/`actor`: the config sections; `horizon`: Dr.GRPO's constant length;
-        `old_from_update`: take old log-probs from this forward (`old_logprobs_from_update`)."""
+        `old_from_update`: take old log-probs from this forward (`RunPlan.old_logprobs_from_update`);
+        `chunk_tokens`: tokens per chunk of the log-prob head (`model.logprob_chunk_tokens`)."""
         self.model = model
+        self.chunk_tokens = chunk_tokens
         self.old_from_update = old_from_update
         self.captured: dict[str, list] = {}
         self.algo = algorithm
@@ -224,6 +209,7 @@ class PPOUpdate:
             true_vocab_size=self.model.true_vocab_size,
             loss_fn=loss_fn,
             with_entropy=use_entropy or self.old_from_update,
+            chunk_tokens=self.chunk_tokens,
         )
         losses = [out["loss"] for out in outputs if "loss" in out]
         grads = [

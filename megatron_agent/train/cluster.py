@@ -1,7 +1,8 @@
 """The Ray cluster and groups of worker actors: start or join, place, call, fail loudly.
 
-`start_ray` starts a local cluster sized to the machine (dashboard off) or joins an existing one
-(`ray.address=auto` or `HOST:PORT`, how multi-node runs under Slurm work). `WorkerGroup` creates
+`ray_cluster` (a context manager; its owner is the run, `train/run.py`, or a test) starts a local
+cluster sized to the machine (dashboard off) or joins an existing one (`ray.address=auto` or
+`HOST:PORT`, how multi-node runs under Slurm work), and stops what it started. `WorkerGroup` creates
 N actors of one class inside a placement group, each writing its stdout/stderr to
 `<run_dir>/logs/<name>_<rank>.log`, and `call` runs one method on all of them: a worker that
 raises, dies or does not answer within the timeout becomes a `WorkerError` naming the worker,
@@ -11,10 +12,11 @@ its rank and the last lines of its log, never a hang. A worker whose process die
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,18 @@ def stop_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def ray_cluster(address: str = "", num_cpus: int = 0) -> Iterator[bool]:
+    """Ray for the duration of a block: a local cluster started (address '') or one joined; shut
+    down at exit when this block started the connection. Yields whether it started it."""
+    started = start_ray(address, num_cpus)
+    try:
+        yield started
+    finally:
+        if started:
+            stop_ray()
 
 
 def redirect_output(log_path: str | os.PathLike) -> None:

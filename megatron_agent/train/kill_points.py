@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-PHASES = ("rollout", "update", "save")
+from megatron_agent.config.schema import KILL_PHASES as PHASES  # noqa: F401 (re-exported)
 
 
 def hold_at(cfg, phase: str, step: int) -> None:

@@ -16,26 +16,20 @@ from pathlib import Path
 
 import torch
 
-from megatron_agent.config import Config, ConfigError, _apply_mapping
+from megatron_agent.config import RunPlan, config_from_dict
 from megatron_agent.train.kill_points import hold_at
-
-
-def config_from_dict(data: dict) -> Config:
-    """A `Config` rebuilt from `config_to_dict` output (what the driver ships to workers)."""
-    cfg = Config()
-    _apply_mapping(cfg, data)
-    return cfg
 
 
 class MegatronWorker:
     """A Megatron rank holding the actor and the reference model."""
 
-    def __init__(self, rank: int, world_size: int, log_path: str, cfg_dict: dict):
+    def __init__(self, rank: int, world_size: int, log_path: str, cfg_dict: dict, plan_dict: dict):
         from megatron_agent.train.cluster import redirect_output
 
         redirect_output(log_path)
         self.rank, self.world_size = rank, world_size
         self.cfg = config_from_dict(cfg_dict)
+        self.plan = RunPlan.from_dict(plan_dict)
         self.actor = self.ref = self.update = self.sender = None
         self.info = None
 
@@ -62,7 +56,7 @@ class MegatronWorker:
         from megatron_agent.models.policy import MegatronModel
         from megatron_agent.platform.parallel import init_model_parallel
         from megatron_agent.platform.setup import has_cuda
-        from megatron_agent.train.actor_update import parallel_info, uses_reference
+        from megatron_agent.train.actor_update import parallel_info
 
         cfg = self.cfg
         os.environ.update(
@@ -81,13 +75,16 @@ class MegatronWorker:
             pp=p.pp,
             vpp=p.vpp,
             dtype=cfg.model.dtype,
+            fp8=cfg.model.fp8,
             transformer_impl=cfg.model.transformer_impl,
             recompute=cfg.model.recompute,
         )
         self.model_path = model_path
         self.actor = self._new_actor(opts)
         # Without a KL term the reference is never read: it is not built.
-        self.ref = MegatronModel.from_hf(model_path, opts, trainable=False) if uses_reference(cfg) else None
+        self.ref = (
+            MegatronModel.from_hf(model_path, opts, trainable=False) if self.plan.uses_reference else None
+        )
         if init_from:
             self._load_weights(init_from)
         if self.ref is not None and cfg.model.ref_offload:
@@ -112,13 +109,11 @@ class MegatronWorker:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from megatron_agent.rl import StepGuard
-        from megatron_agent.train.actor_update import PPOUpdate, old_logprobs_from_update
+        from megatron_agent.train.actor_update import PPOUpdate
 
         cfg = self.cfg
         a = cfg.actor
-        decay = {"constant": "constant", "linear": "linear", "cosine": "cosine"}.get(a.lr_decay)
-        if decay is None:
-            raise ConfigError(f"actor.lr_decay={a.lr_decay!r}: choose constant, linear or cosine")
+        decay = a.lr_decay  # a Literal of the config: checked when it was loaded
         min_lr = a.min_lr if decay != "constant" else a.lr
         for group in self.actor.optimizer.param_groups:
             # Megatron's param groups carry min_lr=None (OptimizerConfig.min_lr), which the
@@ -146,7 +141,8 @@ class MegatronWorker:
             guard,
             scheduler,
             horizon=cfg.rollout.max_total_tokens,
-            old_from_update=old_logprobs_from_update(cfg),
+            old_from_update=self.plan.old_logprobs_from_update,
+            chunk_tokens=cfg.model.logprob_chunk_tokens,
         )
 
     def logprobs(
@@ -157,17 +153,17 @@ class MegatronWorker:
 
         from megatron_agent.train.actor_update import shard_logprobs
 
-        tokens = self.cfg.actor.micro_batch_tokens
+        tokens, chunk = self.cfg.actor.micro_batch_tokens, self.cfg.model.logprob_chunk_tokens
         start = time.perf_counter()
         indices, old, entropy, ref = None, None, None, None
         if with_old:
             indices, old, entropy = shard_logprobs(
-                self.actor, sequences, micro_batch_tokens=tokens, with_entropy=True
+                self.actor, sequences, micro_batch_tokens=tokens, with_entropy=True, chunk_tokens=chunk
             )
         mid = time.perf_counter()
         if with_ref:
             indices, ref, _ = shard_logprobs(
-                self.ref, sequences, micro_batch_tokens=tokens, with_entropy=False
+                self.ref, sequences, micro_batch_tokens=tokens, with_entropy=False, chunk_tokens=chunk
             )
         end = time.perf_counter()
         if not self.info.reports:
@@ -217,6 +213,7 @@ class MegatronWorker:
             [sequences[i] for i in mine],
             [loss_masks[i] for i in mine],
             micro_batch_tokens=self.cfg.actor.micro_batch_tokens,
+            chunk_tokens=self.cfg.model.logprob_chunk_tokens,
         )
         return metrics if info.reports else None
 

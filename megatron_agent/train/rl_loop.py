@@ -22,7 +22,6 @@ import torch
 
 from megatron_agent.rl import apply_kl_in_reward, compute_advantages, mismatch_metrics, rollout_is_weights
 from megatron_agent.rollout import rollout_metrics, write_rollout_dump
-from megatron_agent.train.actor_update import num_mini_batches
 from megatron_agent.train.batch import (
     RLBatch,
     batch_from_trajectories,
@@ -90,7 +89,7 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
             if not t.old_from_update:
                 m.update(mismatch_and_correction(batch, mask_BT, algo))
 
-        num_mini = num_mini_batches(cfg)
+        num_mini = t.plan.num_mini_batches
         with timer(m, "update_actor"):
             m.update(t.train(batch, mini_batches(batch, min(num_mini, len(set(batch.group_ids)))), step))
         with timer(m, "adv"):

@@ -11,28 +11,30 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from megatron_agent.config import RunPlan, config_from_dict
 from megatron_agent.train.kill_points import hold_at
-from megatron_agent.train.megatron_worker import config_from_dict
 
 
 class RolloutWorker:
     """One rollout engine with the agent loop."""
 
-    def __init__(self, rank: int, num_engines: int, log_path: str, cfg_dict: dict, model_path: str):
+    def __init__(self, rank: int, num_engines: int, log_path: str, cfg_dict: dict, plan_dict: dict):
         from megatron_agent.rollout.factory import build_agent_loop, build_engine, build_toolset
         from megatron_agent.train.cluster import redirect_output
 
         redirect_output(log_path)
         self.rank = rank
         self.cfg = cfg = config_from_dict(cfg_dict)
+        plan = RunPlan.from_dict(plan_dict)
         run_dir = cfg.trainer.run_dir
         os.environ.setdefault("TMPDIR", run_dir)
         from megatron_agent.train.fault_injection import engine_logits_processors, forced_turn_hook
 
         processors = engine_logits_processors(cfg.debug)  # none unless debug.forced_first_turn
-        self.engine = build_engine(cfg, model_path, cache_dir=run_dir, logits_processors=processors)
+        self.engine = build_engine(cfg, plan.model_path, cache_dir=run_dir, logits_processors=processors)
         hook = forced_turn_hook(cfg.debug, self.engine.tokenizer)
-        self.loop = build_agent_loop(cfg, self.engine, build_toolset(cfg), turn_hook=hook)
+        tools = build_toolset(cfg, plan.tools, plan.search_index_dir)
+        self.loop = build_agent_loop(cfg, self.engine, tools, turn_hook=hook)
         self.receiver = None
         self.step = 0
 

@@ -52,7 +52,12 @@ def _from_last_stage(values: list[float]) -> list[float]:
 
 
 def sft_step(
-    model, sequences: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]], *, micro_batch_tokens: int
+    model,
+    sequences: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    *,
+    micro_batch_tokens: int,
+    chunk_tokens: int = 1024,
 ) -> dict[str, float]:
     """One optimizer step of masked NLL on this DP rank's `sequences`.
 
@@ -75,7 +80,11 @@ def sft_step(
     if global_tokens <= 0:
         raise ValueError("no loss token in the batch on any rank (every loss mask is 0 after the first id)")
     outputs, info = model.train_step(
-        sequences, _loss_fn(global_tokens), extras={"loss_mask": targets}, max_tokens=micro_batch_tokens
+        sequences,
+        _loss_fn(global_tokens),
+        extras={"loss_mask": targets},
+        max_tokens=micro_batch_tokens,
+        chunk_tokens=chunk_tokens,
     )
     local_nll = sum(float(o["nll_sum"]) for o in outputs) if ps.is_pipeline_last_stage() else 0.0
     (nll,) = _from_last_stage(_dp_sum([local_nll]))

@@ -1,137 +1,58 @@
 """The driver's view of a run: config checks, tasks, the Ray worker groups, and calls on them.
 
-`Trainer(cfg)` checks the config and the data before any worker starts (bad input is an error
-naming the key and the fix); `start()` brings up Ray, the Megatron world (actor + reference on
-every rank) and the rollout engines, and pushes the actor's weights into the engines. The RL
-loop (`rl_loop.py`) then reads as the algorithm: `rollout`, `logprobs`, `train`, `sync`.
+`Trainer(cfg, plan)` takes a validated config and its plan (`megatron_agent.config`), makes the
+base model when needed and loads the tasks (bad data is an error before any worker starts);
+`start()` brings up the Megatron world (actor + reference on every rank) and the rollout engines
+on the Ray cluster that its owner started (`train/run.py`, or a test's `ray_cluster`). The RL loop
+(`rl_loop.py`) then reads as the algorithm: `rollout`, `logprobs`, `train`, `sync`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from pathlib import Path
 
 import torch
 
-from megatron_agent.config import Config, ConfigError, config_to_dict
+from megatron_agent.config import Config, ConfigError, RunPlan, check_layout, config_to_dict, make_plan
 from megatron_agent.data.sampler import PromptSampler
 from megatron_agent.data.tasks import Task
 from megatron_agent.rl.kl_controller import make_kl_controller
-from megatron_agent.train.actor_update import old_logprobs_from_update, uses_reference
 from megatron_agent.train.batch import RLBatch
-from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup, start_ray, stop_ray
-from megatron_agent.train.kill_points import PHASES as KILL_PHASES
+from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup
 
 logger = logging.getLogger("megatron_agent.train")
 
 
-def check_config(cfg: Config) -> None:
-    """Errors, before any worker starts, for settings that cannot work; each names the key and the fix."""
-    from megatron_agent.rl.advantages import ESTIMATORS
-
-    a, d, p, r = cfg.actor, cfg.data, cfg.parallel, cfg.rollout
-    if cfg.algorithm.adv_estimator not in ESTIMATORS or cfg.algorithm.adv_estimator == "gae":
-        choices = ", ".join(e for e in ESTIMATORS if e != "gae")
-        raise ConfigError(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r}: choose one of {choices} (gae needs a critic)"
-        )
-    for key, value in (
-        ("data.train_batch_size", d.train_batch_size),
-        ("rollout.n", r.n),
-        ("actor.ppo_epochs", a.ppo_epochs),
-        ("parallel.tp", p.tp),
-        ("parallel.pp", p.pp),
-        ("parallel.dp", p.dp),
-        ("rollout.num_engines", r.num_engines),
-    ):
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1")
-    hold = cfg.debug.hold_at
-    phase, _, step = hold.partition(":")
-    if hold and (phase not in KILL_PHASES or not step.isdigit()):
-        raise ConfigError(
-            f"debug.hold_at={hold!r}: write PHASE:STEP with PHASE one of {', '.join(KILL_PHASES)}"
-        )
-    mini = a.ppo_mini_batch_size or d.train_batch_size
-    if d.train_batch_size % mini:
-        raise ConfigError(
-            f"data.train_batch_size={d.train_batch_size} is not divisible by actor.ppo_mini_batch_size={mini}: "
-            f"choose a mini-batch size that divides it (e.g. {math.gcd(d.train_batch_size, mini)})"
-        )
-    if r.num_engines > d.train_batch_size:
-        raise ConfigError(
-            f"rollout.num_engines={r.num_engines} exceeds data.train_batch_size={d.train_batch_size}: fewer engines than prompts per step"
-        )
-    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(
-            f"model.path={cfg.model.path!r} is not an HF model folder (no config.json there): give the folder of config.json and the safetensors"
-        )
-    if cfg.trainer.init_from and not (Path(cfg.trainer.init_from) / "meta.json").is_file():
-        raise ConfigError(
-            f"trainer.init_from={cfg.trainer.init_from!r} is not a checkpoint folder (no meta.json): give a folder written by `sft` or `train`"
-        )
-    if cfg.data.train_path and not Path(cfg.data.train_path).is_file():
-        raise ConfigError(f"data.train_path={cfg.data.train_path!r} does not exist")
-    if cfg.data.val_path and not Path(cfg.data.val_path).is_file():
-        raise ConfigError(f"data.val_path={cfg.data.val_path!r} does not exist")
-    if p.sequence_parallel:
-        raise ConfigError(
-            "parallel.sequence_parallel=true is not supported by the trainer yet (the fused log-prob head "
-            "does not gather sequence-parallel hidden states): set parallel.sequence_parallel=false"
-        )
-    if p.vpp > 1 and p.pp == 1:
-        raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp > 1")
-    if cfg.model.dtype not in ("fp32", "bf16"):
-        raise ConfigError(f"model.dtype={cfg.model.dtype!r}: choose fp32 or bf16")
-
-
-def check_layout(cfg: Config, model_path: str) -> None:
-    """Errors for a parallel layout the model cannot be split into (heads, layers)."""
-    from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
-
-    arch = arch_from_hf_config(load_hf_config(model_path))
-    p = cfg.parallel
-    if arch.num_attention_heads % p.tp or arch.num_query_groups % p.tp:
-        raise ConfigError(
-            f"parallel.tp={p.tp} does not divide the model's {arch.num_attention_heads} attention heads and "
-            f"{arch.num_query_groups} key/value heads: choose a tp that divides both"
-        )
-    if arch.num_layers % (p.pp * p.vpp):
-        raise ConfigError(
-            f"parallel.pp * parallel.vpp = {p.pp * p.vpp} does not divide the model's {arch.num_layers} layers"
-        )
-
-
-def resolve_model_path(cfg: Config, run_dir: Path) -> str:
-    """`model.path`, or a tiny model made once in `<run_dir>/base_model` when it is empty."""
-    if cfg.model.path:
-        return cfg.model.path
-    out = run_dir / "base_model"
-    if not (out / "config.json").is_file():
+def make_base_model(cfg: Config, plan: RunPlan) -> str:
+    """The HF folder the run starts from: `model.path`, or a tiny model made once at
+    `plan.model_path` (`<run_dir>/base_model`) when it is empty; its layout is checked."""
+    out = Path(plan.model_path)
+    if plan.tiny_family and not (out / "config.json").is_file():
         from megatron_agent.models.tiny import make_quickstart_model, make_tiny_model
 
-        if cfg.model.tiny_family == "quickstart":
+        if plan.tiny_family == "quickstart":
             make_quickstart_model(out, seed=cfg.trainer.seed)
         else:
-            make_tiny_model(out, cfg.model.tiny_family, seed=cfg.trainer.seed)
-    return str(out)
+            make_tiny_model(out, plan.tiny_family, seed=cfg.trainer.seed)
+    check_layout(cfg, plan.model_path)
+    return plan.model_path
 
 
 class Trainer:
     """Owns the worker groups and the data of one run."""
 
-    def __init__(self, cfg: Config):
-        check_config(cfg)
+    def __init__(self, cfg: Config, plan: RunPlan | None = None):
+        """`cfg`: a loaded (validated) config; `plan`: its `make_plan(cfg)` (made here if None)."""
         self.cfg = cfg
-        # Which forward-only passes a step needs; the workers decide the same from the same config.
-        self.old_from_update = old_logprobs_from_update(cfg)
-        self.uses_reference = uses_reference(cfg)
-        self.run_dir = Path(cfg.trainer.run_dir)
+        self.plan = plan = plan or make_plan(cfg)
+        # Which forward-only passes a step needs: the workers read the same plan.
+        self.old_from_update = plan.old_logprobs_from_update
+        self.uses_reference = plan.uses_reference
+        self.run_dir = Path(plan.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.model_path = resolve_model_path(cfg, self.run_dir)
-        check_layout(cfg, self.model_path)
+        self.model_path = make_base_model(cfg, plan)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -144,7 +65,6 @@ class Trainer:
         )
         self.actors: WorkerGroup | None = None
         self.engines: WorkerGroup | None = None
-        self._started_ray = False
         self.engine_restarts = 0  # engines replaced in this run (rollout/engine_restarts)
         self.weight_version = 0  # the engines' weight version after the latest sync
         self._engine_reseed: tuple = ()  # the latest reseed, replayed into a replacement engine
@@ -161,16 +81,11 @@ class Trainer:
             num = d.num_synthetic_val_tasks if validation else d.num_synthetic_tasks
             tasks = synthetic.arithmetic_tasks(num, seed=seed, max_depth=d.arithmetic_max_depth)
             num_skipped = 0
-        elif d.synthetic == "multihop":
+        else:  # multihop: a corpus, its search index (`plan.search_index_dir`) and questions
             num = d.num_synthetic_val_tasks if validation else d.num_synthetic_tasks
-            folder = self.run_dir / ("synthetic_val" if validation else "synthetic")
-            tasks, _, index_dir = synthetic.multihop_tasks(folder, num, seed)
-            self.cfg.tools.search_index_dir = self.cfg.tools.search_index_dir or str(index_dir)
-            if "search" not in self.cfg.tools.enabled:
-                self.cfg.tools.enabled = [*self.cfg.tools.enabled, "search"]
+            folder = self.plan.synthetic_dirs[1 if validation else 0]
+            tasks, _, _ = synthetic.multihop_tasks(folder, num, seed)
             num_skipped = 0
-        else:
-            raise ConfigError(f"data.synthetic={d.synthetic!r}: choose arithmetic or multihop")
         kept = [t for t in tasks if self._prompt_length(t) <= d.max_prompt_length]
         num_skipped += len(tasks) - len(kept)
         if len(kept) < len(tasks):
@@ -191,19 +106,24 @@ class Trainer:
             from megatron_agent.rollout.chat import ChatFormat
             from megatron_agent.rollout.factory import build_toolset
 
-            self._chat, self._toolset = ChatFormat(self.tokenizer), build_toolset(self.cfg)
+            toolset = build_toolset(self.cfg, self.plan.tools, self.plan.search_index_dir)
+            self._chat, self._toolset = ChatFormat(self.tokenizer), toolset
         return len(self._chat.prompt_ids(task.messages, self._toolset.schemas(task.tools)))
 
     # ----------------------------------------------------------------------------- workers
     def start(self, engines: bool = True) -> None:
-        """Start Ray, the Megatron world and (unless `engines=False`) the rollout engines."""
+        """Start the Megatron world and (unless `engines=False`) the rollout engines on the Ray
+        cluster of this process (started by the run's owner)."""
+        import ray
+
         from megatron_agent.rollout.engine import engine_process_env
         from megatron_agent.train.megatron_worker import MegatronWorker
         from megatron_agent.train.rollout_worker import RolloutWorker
 
         cfg = self.cfg
-        self._started_ray = start_ray(cfg.ray.address, cfg.ray.num_cpus)
-        cfg_dict = config_to_dict(cfg)
+        if not ray.is_initialized():
+            raise RuntimeError("Trainer.start() needs a Ray cluster: start it with train.cluster.ray_cluster")
+        cfg_dict, plan_dict = config_to_dict(cfg), self.plan.to_dict()
         world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
         on_gpu = torch.cuda.is_available()
         log_dir = self.run_dir / "logs"
@@ -216,7 +136,7 @@ class Trainer:
             log_dir=log_dir,
             num_cpus=0 if not on_gpu else 1,
             num_gpus=1 if on_gpu else 0,
-            init_args=(cfg_dict,),
+            init_args=(cfg_dict, plan_dict),
             timeout_s=timeout,
             env_vars=env,
         )
@@ -231,7 +151,7 @@ class Trainer:
             log_dir=log_dir,
             num_cpus=0,
             num_gpus=cfg.rollout.tp if on_gpu and not cfg.rollout.colocate else 0,
-            init_args=(cfg_dict, self.model_path),
+            init_args=(cfg_dict, plan_dict),
             timeout_s=timeout,
             env_vars=engine_process_env(),
         )
@@ -243,7 +163,7 @@ class Trainer:
         self.actors.call("make_update", total_optimizer_steps)
 
     def close(self) -> None:
-        """Stop the workers and a Ray cluster started here."""
+        """Stop the workers (the Ray cluster stays: its owner stops it)."""
         if self.actors is not None:
             try:  # best effort, briefly: a failed run's ranks may be stuck in a collective
                 self.actors.call("close_sync", timeout_s=5.0)
@@ -252,8 +172,6 @@ class Trainer:
         for group in (self.engines, self.actors):
             if group is not None:
                 group.kill()
-        if self._started_ray:
-            stop_ray()
 
     # ----------------------------------------------------------------------------- calls
     def rollout(self, tasks: list[Task], n: int, *, greedy: bool = False) -> list:

@@ -53,7 +53,7 @@ def _engine_pids(t) -> list[int]:
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory, repo_on_pythonpath):
     from megatron_agent.config import config_to_dict, load_config
-    from megatron_agent.train.cluster import WorkerDiedError, WorkerError
+    from megatron_agent.train.cluster import WorkerDiedError, WorkerError, ray_cluster
     from megatron_agent.train.rl_loop import rl_step
     from megatron_agent.train.run_log import RunLogger
     from megatron_agent.train.run_state import rollout_seed
@@ -66,37 +66,38 @@ def drill(tmp_path_factory, repo_on_pythonpath):
     out: dict = {"run_dir": run_dir, "rows": [], "pids": []}
     t = Trainer(cfg)
     run_log = RunLogger(run_dir, cfg.logging, config_dict=config_to_dict(cfg))
-    try:
-        t.start()
-        t.make_update(NUM_STEPS)
-        out["first_sync"] = t.sync()
-        run_log.log(0, out["first_sync"])
-        for step in range(1, NUM_STEPS + 1):
+    with ray_cluster(cfg.ray.address, cfg.ray.num_cpus):
+        try:
+            t.start()
+            t.make_update(NUM_STEPS)
+            out["first_sync"] = t.sync()
+            run_log.log(0, out["first_sync"])
+            for step in range(1, NUM_STEPS + 1):
+                out["pids"].append(_engine_pids(t))
+                t.reseed_engines(rollout_seed(cfg.rollout.seed, step))
+                row = rl_step(t, step)
+                run_log.log(step, row)
+                out["rows"].append(row)
             out["pids"].append(_engine_pids(t))
-            t.reseed_engines(rollout_seed(cfg.rollout.seed, step))
-            row = rl_step(t, step)
-            run_log.log(step, row)
-            out["rows"].append(row)
-        out["pids"].append(_engine_pids(t))
-        out["final_versions"] = t.engines.call("weight_version")
+            out["final_versions"] = t.engines.call("weight_version")
 
-        # An exception inside an engine (a bad task) stays an error: no restart.
-        try:
-            t.rollout([None, t.train_tasks[0]], 1)
-        except WorkerError as exc:
-            out["raised"] = exc
-        out["restarts_after_raise"] = t.engine_restarts
-        # A death beyond the bound stops with the named error.
-        cfg.rollout.max_engine_restarts = 0
-        victim = out["pids"][-1][1]
-        os.kill(victim, signal.SIGKILL)
-        try:
-            t.rollout(t.train_tasks[:2], 1)
-        except WorkerDiedError as exc:
-            out["bound_error"], out["victim"] = exc, victim
-    finally:
-        run_log.close()
-        t.close()
+            # An exception inside an engine (a bad task) stays an error: no restart.
+            try:
+                t.rollout([None, t.train_tasks[0]], 1)
+            except WorkerError as exc:
+                out["raised"] = exc
+            out["restarts_after_raise"] = t.engine_restarts
+            # A death beyond the bound stops with the named error.
+            cfg.rollout.max_engine_restarts = 0
+            victim = out["pids"][-1][1]
+            os.kill(victim, signal.SIGKILL)
+            try:
+                t.rollout(t.train_tasks[:2], 1)
+            except WorkerDiedError as exc:
+                out["bound_error"], out["victim"] = exc, victim
+        finally:
+            run_log.close()
+            t.close()
     return out
 
 

@@ -81,8 +81,9 @@ def _task_file(folder):
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory, request, repo_on_pythonpath):
-    from megatron_agent.commands.train import SaveError, Saver
     from megatron_agent.config import config_to_dict, load_config
+    from megatron_agent.train.checkpointer import SaveError, Saver
+    from megatron_agent.train.cluster import ray_cluster
     from megatron_agent.train.rl_loop import rl_step
     from megatron_agent.train.run_log import RunLogger
     from megatron_agent.train.trainer import Trainer
@@ -106,39 +107,40 @@ def drill(tmp_path_factory, request, repo_on_pythonpath):
     out = {"run_dir": run_dir, "save_dir": save_dir, "tmpfs": tmpfs, "rows": [], "sums": []}
     t = Trainer(cfg)
     run_log = RunLogger(run_dir, cfg.logging, config_dict=config_to_dict(cfg))
-    try:
-        t.start()
-        t.make_update(3)
-        t.sync()
-        run_log.log(0, {})
-        saver = Saver(cfg, t, run_log)
-        out["sums"].append(t.actors.call("state_checksum"))
-        for step in (1, 2, 3):
-            start = time.monotonic()
-            row = rl_step(t, step)
-            row["wall_s"] = time.monotonic() - start
-            run_log.log(step, row)
-            out["rows"].append(row)
+    with ray_cluster(cfg.ray.address, cfg.ray.num_cpus):
+        try:
+            t.start()
+            t.make_update(3)
+            t.sync()
+            run_log.log(0, {})
+            saver = Saver(cfg, t, run_log)
             out["sums"].append(t.actors.call("state_checksum"))
-            if tmpfs and step == 1:
-                out["saved_1"] = saver.save(1)
-            if tmpfs and step == 2:  # the disk is full now
-                cfg.checkpoint.on_save_error = "stop"
-                try:
-                    saver.save(2)
-                except SaveError as exc:
-                    out["stop_error"] = str(exc)
-                out["staging_after_stop"] = sorted(p.name for p in save_dir.iterdir())
-                cfg.checkpoint.on_save_error = "continue"
-                out["continue_result"] = saver.save(2)
-                out["num_errors"] = saver.num_errors
-        if tmpfs:
-            t.actors.call("load_state", str(out["saved_1"]))
-            out["loaded_sums"] = t.actors.call("state_checksum")
-            out["listing"] = sorted(p.name for p in save_dir.iterdir())
-    finally:
-        run_log.close()
-        t.close()
+            for step in (1, 2, 3):
+                start = time.monotonic()
+                row = rl_step(t, step)
+                row["wall_s"] = time.monotonic() - start
+                run_log.log(step, row)
+                out["rows"].append(row)
+                out["sums"].append(t.actors.call("state_checksum"))
+                if tmpfs and step == 1:
+                    out["saved_1"] = saver.save(1)
+                if tmpfs and step == 2:  # the disk is full now
+                    cfg.checkpoint.on_save_error = "stop"
+                    try:
+                        saver.save(2)
+                    except SaveError as exc:
+                        out["stop_error"] = str(exc)
+                    out["staging_after_stop"] = sorted(p.name for p in save_dir.iterdir())
+                    cfg.checkpoint.on_save_error = "continue"
+                    out["continue_result"] = saver.save(2)
+                    out["num_errors"] = saver.num_errors
+            if tmpfs:
+                t.actors.call("load_state", str(out["saved_1"]))
+                out["loaded_sums"] = t.actors.call("state_checksum")
+                out["listing"] = sorted(p.name for p in save_dir.iterdir())
+        finally:
+            run_log.close()
+            t.close()
     return out
 
 

@@ -10,6 +10,7 @@ import math
 import pytest
 
 from megatron_agent.config import load_config
+from megatron_agent.train.cluster import ray_cluster
 from megatron_agent.train.rl_loop import rl_step
 from megatron_agent.train.trainer import Trainer
 from tests.conftest import REPO
@@ -34,16 +35,17 @@ def _session(tmp_path, overrides, steps):
     )
     t = Trainer(cfg)
     rows = []
-    try:
-        t.start()
-        t.make_update(len(steps))
-        first = t.sync()
-        assert first["sync/verified"] == 1.0
-        for step, estimator in enumerate(steps, start=1):
-            t.cfg.algorithm.adv_estimator = estimator
-            rows.append(rl_step(t, step))
-    finally:
-        t.close()
+    with ray_cluster(cfg.ray.address, cfg.ray.num_cpus):
+        try:
+            t.start()
+            t.make_update(len(steps))
+            first = t.sync()
+            assert first["sync/verified"] == 1.0
+            for step, estimator in enumerate(steps, start=1):
+                t.cfg.algorithm.adv_estimator = estimator
+                rows.append(rl_step(t, step))
+        finally:
+            t.close()
     for row in rows:
         assert row["sync/verified"] == 1.0 and row["sync/probe_max_abs"] < 1e-4
         assert row["mismatch/max_abs_diff"] < 1e-3  # engine vs trainer on every sampled token

@@ -1,19 +1,20 @@
-"""The typed configuration tree: YAML files plus dotted `key=value` overrides.
+"""The schema of a run's configuration: one small dataclass per section.
 
-Every section is a small dataclass with a docstring under each field. `load_config(path,
-overrides)` reads YAML (optional), applies overrides such as `parallel.tp=2` or
-`rollout.temperature=0.7`, checks types, and rejects unknown keys with the nearest valid spelling.
+Every field has a docstring under it saying what it does and where it is read; choices are
+`Literal` types, checked when the config is loaded (`config/load.py`). Checks that involve several
+fields are in `config/validate.py`; what the run derives from the config is in `config/plan.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Literal
+
+KILL_PHASES = ("rollout", "update", "save")
+"""Where `debug.hold_at` can hold a run (train/kill_points.py)."""
+
+KLEstimator = Literal["k1", "abs", "k2", "k3", "k1+", "k3+"]
+"""The KL estimators of rl/kl.py (k3+ is k3's value with k2's gradient)."""
 
 
 @dataclass
@@ -22,15 +23,15 @@ class ModelConfig:
 
     path: str = ""
     """HF folder (config.json + safetensors + tokenizer); empty means a tiny model made on the fly."""
-    tiny_family: str = "qwen2"
+    tiny_family: Literal["llama", "qwen2", "qwen3", "quickstart"] = "qwen2"
     """Tiny model made when `path` is empty: llama, qwen2, qwen3, or quickstart (digit tokenizer)."""
-    dtype: str = "fp32"
+    dtype: Literal["fp32", "bf16"] = "fp32"
     """Parameter and compute dtype of the Megatron models: fp32 or bf16."""
-    fp8: str = ""
+    fp8: Literal["", "delayed", "tensorwise", "mxfp8", "blockwise"] = ""
     """FP8 recipe on GPU with Transformer Engine: '' (off), 'delayed', 'tensorwise', 'mxfp8'."""
-    transformer_impl: str = "auto"
+    transformer_impl: Literal["auto", "te", "local"] = "auto"
     """Layer spec: 'auto' (Transformer Engine where TE and a GPU are present), 'te' or 'local'."""
-    recompute: str = "none"
+    recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in training: 'none', 'selective' (core attention) or 'full' (every layer)."""
     ref_offload: bool = False
     """Keep the frozen reference model's weights on the CPU between uses (GPU memory saving)."""
@@ -58,7 +59,7 @@ class ParallelConfig:
 class RolloutConfig:
     """The rollout engine and the agent loop."""
 
-    engine: str = "vllm"
+    engine: Literal["vllm", "hf"] = "vllm"
     """Rollout engine: 'vllm' (default) or 'hf' (transformers generate; a debugging aid only)."""
     n: int = 4
     """Trajectories sampled per prompt (the GRPO group size)."""
@@ -97,10 +98,10 @@ class RolloutConfig:
     """Trajectories generating or running tools at the same time."""
     seed: int = 0
     """Seed of the rollout engine's sampler."""
-    quantization: str = ""
+    quantization: Literal["", "fp8"] = ""
     """'' (serve the actor's dtype) or 'fp8': vLLM serves FP8 weights quantized from the BF16 actor
     at every sync (GPU only; turns algorithm.rollout_is on unless it is set; see sync/fp8.py)."""
-    fp8_scales: str = "tensor"
+    fp8_scales: Literal["tensor", "block128"] = "tensor"
     """rollout.quantization=fp8: 'tensor' (one scale per weight) or 'block128' (per 128x128 tile)."""
 
 
@@ -108,9 +109,13 @@ class RolloutConfig:
 class AlgorithmConfig:
     """Advantage estimation, KL and the policy loss."""
 
-    adv_estimator: str = "grpo"
-    """Advantage estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, gae."""
-    loss_agg_mode: str = "token-mean"
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"] = (
+        "grpo"
+    )
+    """Advantage estimator (gae arrives with the PPO critic)."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
     clip_ratio_low: float = 0.2
     """PPO lower clip (ratio >= 1 - clip_ratio_low)."""
@@ -120,37 +125,35 @@ class AlgorithmConfig:
     """Dual-clip bound applied where the advantage is negative."""
     kl_loss_coef: float = 0.0
     """Weight of the KL loss term (0 disables it)."""
-    kl_loss_estimator: str = "k3+"
+    kl_loss_estimator: KLEstimator = "k3+"
     """KL estimator for the loss term: k1, abs, k2, k3, k1+, k3+ (k3's value with k2's gradient)."""
     kl_reward_coef: float = 0.0
     """Weight of the per-token k1 KL subtracted from rewards (REINFORCE++ style)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
-    policy_loss_mode: str = "vanilla"
+    policy_loss_mode: Literal["vanilla", "gspo"] = "vanilla"
     """Policy loss: 'vanilla' (PPO clip with dual clip) or 'gspo' (sequence-level ratio)."""
     log_ratio_clamp: float = 20.0
     """The policy log-ratio is clamped to [-x, x] before the exp (masked positions removed first)."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (False gives Dr.GRPO)."""
     gamma: float = 1.0
-    """Discount for reinforce_plus_plus and gae."""
-    lam: float = 1.0
-    """GAE lambda."""
+    """Discount of reinforce_plus_plus."""
     loss_agg_horizon: int = 0
     """Constant horizon of seq-mean-token-sum-norm (Dr.GRPO); 0 means the maximum response length."""
-    kl_reward_estimator: str = "k1"
+    kl_reward_estimator: KLEstimator = "k1"
     """KL estimator for the KL-in-reward term (REINFORCE++ uses k1)."""
-    kl_ctrl: str = "fixed"
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
     """KL coefficient controller for the KL-in-reward coefficient: 'fixed' or 'adaptive'."""
     kl_target: float = 0.1
     """Adaptive KL controller: target mean per-token KL."""
     kl_horizon: int = 10000
     """Adaptive KL controller: horizon (in samples) of the proportional update."""
-    rollout_is: str = "none"
+    rollout_is: Literal["none", "token", "sequence"] = "none"
     """Rollout-vs-trainer importance weights in the policy loss: 'none', 'token' or 'sequence'."""
     rollout_is_cap: float = 2.0
     """Cap of the rollout importance weights."""
-    rollout_is_mode: str = "truncate"
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
     """Weights above the cap: 'truncate' (cap them) or 'mask' (drop the token or sequence)."""
     mismatch_thresholds: list[float] = field(default_factory=lambda: [0.1, 1.0])
     """|old - rollout| log-prob thresholds reported as mismatch/frac_abs_diff_gt_{t}."""
@@ -190,7 +193,7 @@ class ActorConfig:
     """Passes over each step's rollouts."""
     micro_batch_tokens: int = 4096
     """Token budget per micro-batch (sequences are packed up to it)."""
-    old_logprobs: str = "auto"
+    old_logprobs: Literal["auto", "recompute"] = "auto"
     """Where the old log-probs come from: 'recompute' (a forward-only pass of the actor before the
     update) or 'auto' (from the update's own forward when the step is on-policy: one PPO epoch, one
     mini-batch, no KL in the reward and no rollout IS correction, so that old == current and the
@@ -199,7 +202,7 @@ class ActorConfig:
     """Peak learning rate."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to `lr`."""
-    lr_decay: str = "constant"
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
     """After warmup: 'constant', 'linear' or 'cosine' decay to `min_lr` at the last optimizer step."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
@@ -229,7 +232,7 @@ class DataConfig:
     """Shuffling seed."""
     max_prompt_length: int = 1024
     """Prompt tokens at most; longer prompts are skipped and counted (data/skipped_rows)."""
-    synthetic: str = "arithmetic"
+    synthetic: Literal["arithmetic", "multihop"] = "arithmetic"
     """Synthetic tasks used when the task path is empty: arithmetic (calculator) or multihop (search)."""
     num_synthetic_tasks: int = 16
     """How many synthetic tasks to generate."""
@@ -243,7 +246,7 @@ class DataConfig:
 class PythonToolConfig:
     """The `python` tool's sandbox and limits."""
 
-    sandbox: str = "auto"
+    sandbox: Literal["strict", "auto", "off"] = "auto"
     """'strict' (bubblewrap required), 'auto' (bubblewrap if present, else limits only, with a warning), 'off'."""
     memory_mb: int = 512
     """Address-space limit of one run, in MiB."""
@@ -261,7 +264,7 @@ class ToolsConfig:
     """Per-call timeout in seconds."""
     max_tool_response_tokens: int = 256
     """Tool output longer than this is truncated."""
-    truncate_side: str = "middle"
+    truncate_side: Literal["left", "middle", "right"] = "middle"
     """Part of a too-long tool output that is dropped: left, middle or right."""
     search_index_dir: str = ""
     """Folder of the prebuilt BM25 index of the `search` tool (see envs/tools/search.py)."""
@@ -311,7 +314,7 @@ class SyncConfig:
     """Largest |engine - actor| probe log-prob allowed for an FP8 engine (rollout.quantization=fp8)."""
     timeout_s: float = 300.0
     """An engine that does not answer a sync call within this many seconds is an error."""
-    transport: str = "auto"
+    transport: Literal["auto", "direct", "shm", "cuda_ipc", "nccl"] = "auto"
     """'auto' (from where the engine lives), 'direct', 'shm', 'cuda_ipc' or 'nccl'."""
 
 
@@ -361,7 +364,7 @@ class CheckpointConfig:
     """Save every N steps (0: only at the end)."""
     keep_last: int = 2
     """Complete checkpoints kept (older ones removed only after a new one is complete)."""
-    on_save_error: str = "stop"
+    on_save_error: Literal["stop", "continue"] = "stop"
     """A save that fails (e.g. a full disk): 'stop' (exit 1 naming the path; the previous checkpoint
     stays) or 'continue' (a warning and `checkpoint/save_errors`; the run goes on). docs/faults.md."""
 
@@ -437,139 +440,3 @@ class Config:
 
 class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it."""
-
-
-def _field_names(cls) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _all_dotted_keys(cls, prefix: str = "") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(cls):
-        sub = _resolve_type(cls, f)
-        if dataclasses.is_dataclass(sub):
-            keys.extend(_all_dotted_keys(sub, f"{prefix}{f.name}."))
-        else:
-            keys.append(f"{prefix}{f.name}")
-    return keys
-
-
-def _unknown_key_error(key: str, value: Any, prefix: str) -> ConfigError:
-    """An error naming the full dotted key the user wrote and the nearest valid one."""
-    full = f"{prefix}{key}"
-    while isinstance(value, dict) and len(value) == 1:  # follow a single-key override down
-        ((sub, value),) = value.items()
-        full = f"{full}.{sub}"
-    near = difflib.get_close_matches(full, _all_dotted_keys(Config), n=1, cutoff=0.5)
-    hint = f"; did you mean '{near[0]}'?" if near else ""
-    return ConfigError(f"unknown config key '{full}'{hint}")
-
-
-def _resolve_type(cls, f: dataclasses.Field):
-    hints = typing.get_type_hints(cls)
-    return hints[f.name]
-
-
-def _coerce(value: Any, typ, key: str) -> Any:
-    """Convert `value` (from YAML or a command-line string) to `typ`, or raise naming `key`."""
-    origin = typing.get_origin(typ)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(typ) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            return None
-        return _coerce(value, args[0], key)
-    if origin is list:
-        (item,) = typing.get_args(typ)
-        if isinstance(value, str):
-            import yaml
-
-            parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
-            value = [] if value.strip() in ("", "[]") else parsed
-        if not isinstance(value, list):
-            raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
-        return [_coerce(v, item, key) for v in value]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}' expects a mapping, got {value!r}")
-        return value
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"config key '{key}' expects true/false, got {value!r}")
-    if typ in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}") from None
-        if typ is int:
-            if not number.is_integer():
-                raise ConfigError(f"config key '{key}' expects int, got {value!r}")
-            return int(number)
-        return number
-    if typ is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
-        return str(value)
-    return value
-
-
-def _apply_mapping(obj, mapping: dict, prefix: str = "") -> None:
-    cls = type(obj)
-    names = _field_names(cls)
-    for key, value in mapping.items():
-        if key not in names:
-            raise _unknown_key_error(key, value, prefix)
-        f = next(f for f in dataclasses.fields(cls) if f.name == key)
-        typ = _resolve_type(cls, f)
-        if dataclasses.is_dataclass(typ):
-            if not isinstance(value, dict):
-                raise ConfigError(f"config section '{prefix}{key}' expects a mapping, got {value!r}")
-            _apply_mapping(getattr(obj, key), value, f"{prefix}{key}.")
-        else:
-            setattr(obj, key, _coerce(value, typ, f"{prefix}{key}"))
-
-
-def apply_override(cfg: Config, override: str) -> None:
-    """Apply one `dotted.key=value` override to `cfg` in place."""
-    if "=" not in override:
-        raise ConfigError(f"override {override!r} is not of the form key=value (e.g. parallel.tp=2)")
-    key, value = override.split("=", 1)
-    parts = key.strip().split(".")
-    nested: dict = {parts[-1]: value}
-    for part in reversed(parts[:-1]):
-        nested = {part: nested}
-    _apply_mapping(cfg, nested)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build a `Config` from defaults, an optional YAML file, then `key=value` overrides."""
-    import yaml
-
-    cfg = Config()
-    data: dict = {}
-    if path:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"
-            )
-        _apply_mapping(cfg, data)
-    for override in overrides:
-        apply_override(cfg, override)
-    given = {o.split("=", 1)[0].strip() for o in overrides}
-    if cfg.rollout.quantization == "fp8" and "algorithm.rollout_is" not in given:
-        if "rollout_is" not in (data.get("algorithm") or {}):
-            cfg.algorithm.rollout_is = "token"  # FP8 rollout: truncated IS on unless set explicitly
-    return cfg
-
-
-def config_to_dict(cfg) -> dict:
-    """The config as plain nested dicts (for YAML dumps and logging)."""
-    return dataclasses.asdict(cfg)

@@ -1,0 +1,175 @@
+"""Loading a config: defaults, then a YAML file, then dotted `key=value` overrides.
+
+`load_config(path, overrides)` checks every value's type and choice as it is set, rejects
+unknown keys with the nearest valid spelling, then runs the one validation pass
+(`validate_config`) holding every check that needs no worker. Workers rebuild the same tree
+from its dict (`config_from_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from megatron_agent.config.schema import Config, ConfigError
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _all_dotted_keys(cls, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        sub = _resolve_type(cls, f)
+        if dataclasses.is_dataclass(sub):
+            keys.extend(_all_dotted_keys(sub, f"{prefix}{f.name}."))
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _unknown_key_error(key: str, value: Any, prefix: str) -> ConfigError:
+    """An error naming the full dotted key the user wrote and the nearest valid one."""
+    full = f"{prefix}{key}"
+    while isinstance(value, dict) and len(value) == 1:  # follow a single-key override down
+        ((sub, value),) = value.items()
+        full = f"{full}.{sub}"
+    near = difflib.get_close_matches(full, _all_dotted_keys(Config), n=1, cutoff=0.5)
+    hint = f"; did you mean '{near[0]}'?" if near else ""
+    return ConfigError(f"unknown config key '{full}'{hint}")
+
+
+def _resolve_type(cls, f: dataclasses.Field):
+    hints = typing.get_type_hints(cls)
+    return hints[f.name]
+
+
+def _coerce(value: Any, typ, key: str) -> Any:
+    """Convert `value` (from YAML or a command-line string) to `typ`, or raise naming `key`."""
+    origin = typing.get_origin(typ)
+    if origin is typing.Literal:
+        choices = typing.get_args(typ)
+        text = "" if value is None else str(value)
+        if text not in choices:
+            shown = ", ".join(repr(c) if c == "" else c for c in choices)
+            raise ConfigError(f"config key '{key}'={value!r}: choose one of {shown}")
+        return text
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, args[0], key)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        if isinstance(value, str):
+            import yaml
+
+            parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            value = [] if value.strip() in ("", "[]") else parsed
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
+        return [_coerce(v, item, key) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' expects a mapping, got {value!r}")
+        return value
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"config key '{key}' expects true/false, got {value!r}")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}") from None
+        if typ is int:
+            if not number.is_integer():
+                raise ConfigError(f"config key '{key}' expects int, got {value!r}")
+            return int(number)
+        return number
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _apply_mapping(obj, mapping: dict, prefix: str = "") -> None:
+    cls = type(obj)
+    names = _field_names(cls)
+    for key, value in mapping.items():
+        if key not in names:
+            raise _unknown_key_error(key, value, prefix)
+        f = next(f for f in dataclasses.fields(cls) if f.name == key)
+        typ = _resolve_type(cls, f)
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config section '{prefix}{key}' expects a mapping, got {value!r}")
+            _apply_mapping(getattr(obj, key), value, f"{prefix}{key}.")
+        else:
+            setattr(obj, key, _coerce(value, typ, f"{prefix}{key}"))
+
+
+def apply_override(cfg: Config, override: str) -> None:
+    """Apply one `dotted.key=value` override to `cfg` in place."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} is not of the form key=value (e.g. parallel.tp=2)")
+    key, value = override.split("=", 1)
+    parts = key.strip().split(".")
+    nested: dict = {parts[-1]: value}
+    for part in reversed(parts[:-1]):
+        nested = {part: nested}
+    _apply_mapping(cfg, nested)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *, validate: bool = True
+) -> Config:
+    """Build a `Config` from defaults, an optional YAML file, then `key=value` overrides, and
+    validate it (`validate=False`: types and choices only, for commands that read a few sections)."""
+    import yaml
+
+    cfg = Config()
+    data: dict = {}
+    if path:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"
+            )
+        _apply_mapping(cfg, data)
+    for override in overrides:
+        apply_override(cfg, override)
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    if cfg.rollout.quantization == "fp8" and "algorithm.rollout_is" not in given:
+        if "rollout_is" not in (data.get("algorithm") or {}):
+            cfg.algorithm.rollout_is = "token"  # FP8 rollout: truncated IS on unless set explicitly
+    if validate:
+        from megatron_agent.config.validate import validate_config
+
+        validate_config(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    """A `Config` rebuilt from `config_to_dict` output (what the driver ships to workers)."""
+    cfg = Config()
+    _apply_mapping(cfg, data)
+    return cfg
+
+
+def config_to_dict(cfg) -> dict:
+    """The config as plain nested dicts (for YAML dumps and logging)."""
+    return dataclasses.asdict(cfg)

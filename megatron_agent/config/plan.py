@@ -1,0 +1,109 @@
+"""The run plan: what a run derives from its config, computed once after loading and frozen.
+
+The driver builds it (`make_plan`) and ships it to every worker with the config, so that the
+driver and the workers read the same derived decisions (whether a reference model runs, where
+old log-probs come from, ...) instead of each deriving them again; nothing mutates the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_agent.config.schema import Config
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Derived, read-only facts of one run."""
+
+    run_dir: str
+    """The run folder (`trainer.run_dir`)."""
+    model_path: str
+    """HF folder the models start from: `model.path`, or `<run_dir>/base_model` (made by the run)."""
+    tiny_family: str
+    """The tiny model the run makes at `model_path` when `model.path` is empty ('' otherwise)."""
+    uses_reference: bool
+    """A frozen reference model is built and its log-probs computed (a KL term or the KL guard)."""
+    old_logprobs_from_update: bool
+    """Old log-probs come from the update's own forward (else from a forward-only pass before it)."""
+    num_mini_batches: int
+    """Optimizer steps per PPO epoch of one RL step."""
+    total_optimizer_steps: int
+    """Optimizer steps of the whole RL run (the LR schedule's length)."""
+    tools: tuple[str, ...]
+    """Enabled tools: `tools.enabled`, plus `search` for synthetic multihop tasks."""
+    search_index_dir: str
+    """The `search` tool's index: `tools.search_index_dir`, or the synthetic multihop index."""
+    synthetic_dirs: tuple[str, str]
+    """Folders of the synthetic multihop (train, validation) corpora ('' when not used)."""
+    checkpoint_root: str
+    """Where checkpoints go: `checkpoint.save_dir` or `<run_dir>/checkpoints`."""
+
+    def to_dict(self) -> dict:
+        """Plain values (for Ray and JSON)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunPlan:
+        """Rebuild from `to_dict` output."""
+        return cls(**{**data, "tools": tuple(data["tools"]), "synthetic_dirs": tuple(data["synthetic_dirs"])})
+
+
+def uses_reference(cfg: Config) -> bool:
+    """True when the step needs the frozen reference's log-probs (a KL term or the KL guard)."""
+    a = cfg.algorithm
+    return bool(a.kl_loss_coef or a.kl_reward_coef or (a.guard_enabled and a.guard_max_abs_kl is not None))
+
+
+def num_mini_batches(cfg: Config) -> int:
+    """Optimizer steps per PPO epoch of an RL step (prompts per step / prompts per mini-batch)."""
+    return cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
+
+
+def old_logprobs_from_update(cfg: Config) -> bool:
+    """True when the old log-probs are taken from the update's own forward (`actor.old_logprobs`).
+
+    Only for on-policy steps: one PPO epoch over one mini-batch, so the weights of that forward
+    are the weights that are "old", and nothing needs the old log-probs before the update (no KL
+    in the reward, no rollout IS weights). The loss then uses the detached current log-probs as
+    old ones: the ratio is exactly 1 and the gradient is the on-policy policy gradient.
+    """
+    a, algo = cfg.actor, cfg.algorithm
+    return (
+        a.old_logprobs == "auto"
+        and a.ppo_epochs == 1
+        and num_mini_batches(cfg) == 1
+        and not algo.kl_reward_coef
+        and algo.rollout_is == "none"
+    )
+
+
+def make_plan(cfg: Config) -> RunPlan:
+    """The plan of a validated config (no side effects: folders and models are made by the run)."""
+    run_dir = Path(cfg.trainer.run_dir)
+    d, t = cfg.data, cfg.tools
+    multihop = d.synthetic == "multihop"
+    synthetic_dirs = (
+        str(run_dir / "synthetic") if multihop and not d.train_path else "",
+        str(run_dir / "synthetic_val") if multihop and not d.val_path else "",
+    )
+    tools = tuple(t.enabled)
+    index_dir = t.search_index_dir
+    if any(synthetic_dirs):
+        tools = tools if "search" in tools else (*tools, "search")
+        index_dir = index_dir or str(Path(next(s for s in synthetic_dirs if s)) / "index")
+    return RunPlan(
+        run_dir=str(run_dir),
+        model_path=cfg.model.path or str(run_dir / "base_model"),
+        tiny_family="" if cfg.model.path else cfg.model.tiny_family,
+        uses_reference=uses_reference(cfg),
+        old_logprobs_from_update=old_logprobs_from_update(cfg),
+        num_mini_batches=num_mini_batches(cfg),
+        total_optimizer_steps=cfg.trainer.total_steps * cfg.actor.ppo_epochs * num_mini_batches(cfg),
+        tools=tools,
+        search_index_dir=index_dir,
+        synthetic_dirs=synthetic_dirs,
+        checkpoint_root=str(cfg.checkpoint.save_dir or run_dir / "checkpoints"),
+    )

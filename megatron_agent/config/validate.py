@@ -1,0 +1,136 @@
+"""The one validation pass of a loaded config: every check that needs no worker.
+
+Types and single-field choices are checked while the config is loaded (`load.py`); here are the
+checks that involve several fields, the file system or the machine. Each error names the key and
+the fix. `check_layout` needs the model's `config.json`, so it runs as soon as the model folder
+exists (at once for `model.path`, after the tiny model is made otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from megatron_agent.config.schema import KILL_PHASES, Config, ConfigError
+
+
+def validate_config(cfg: Config) -> None:
+    """Raise `ConfigError` for the first setting that cannot work."""
+    _check_sizes(cfg)
+    _check_paths(cfg)
+    _check_parallel(cfg)
+    _check_machine(cfg)
+    hold = cfg.debug.hold_at
+    phase, _, step = hold.partition(":")
+    if hold and (phase not in KILL_PHASES or not step.isdigit()):
+        raise ConfigError(
+            f"debug.hold_at={hold!r}: write PHASE:STEP with PHASE one of {', '.join(KILL_PHASES)}"
+        )
+
+
+def _check_sizes(cfg: Config) -> None:
+    a, d, p, r = cfg.actor, cfg.data, cfg.parallel, cfg.rollout
+    for key, value in (
+        ("data.train_batch_size", d.train_batch_size),
+        ("rollout.n", r.n),
+        ("actor.ppo_epochs", a.ppo_epochs),
+        ("parallel.tp", p.tp),
+        ("parallel.pp", p.pp),
+        ("parallel.dp", p.dp),
+        ("parallel.vpp", p.vpp),
+        ("rollout.num_engines", r.num_engines),
+        ("model.logprob_chunk_tokens", cfg.model.logprob_chunk_tokens),
+        ("actor.micro_batch_tokens", a.micro_batch_tokens),
+    ):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    mini = a.ppo_mini_batch_size or d.train_batch_size
+    if d.train_batch_size % mini:
+        raise ConfigError(
+            f"data.train_batch_size={d.train_batch_size} is not divisible by actor.ppo_mini_batch_size={mini}: "
+            f"choose a mini-batch size that divides it (e.g. {math.gcd(d.train_batch_size, mini)})"
+        )
+    if r.num_engines > d.train_batch_size:
+        raise ConfigError(
+            f"rollout.num_engines={r.num_engines} exceeds data.train_batch_size={d.train_batch_size}: "
+            "fewer engines than prompts per step"
+        )
+
+
+def _check_paths(cfg: Config) -> None:
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} is not an HF model folder (no config.json there): "
+            "give the folder of config.json and the safetensors"
+        )
+    if cfg.trainer.init_from and not (Path(cfg.trainer.init_from) / "meta.json").is_file():
+        raise ConfigError(
+            f"trainer.init_from={cfg.trainer.init_from!r} is not a checkpoint folder (no meta.json): "
+            "give a folder written by `sft` or `train`"
+        )
+    for key, value in (("data.train_path", cfg.data.train_path), ("data.val_path", cfg.data.val_path)):
+        if value and not Path(value).is_file():
+            raise ConfigError(f"{key}={value!r} does not exist")
+
+
+def _check_parallel(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel=true is not supported by the trainer yet (the fused log-prob head "
+            "does not gather sequence-parallel hidden states): set parallel.sequence_parallel=false"
+        )
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp > 1")
+
+
+def _check_machine(cfg: Config) -> None:
+    """Settings that need a GPU, refused on a driver without one that starts its own cluster.
+
+    A driver that joins a cluster (`ray.address`) may run on a CPU-only head node: the run checks
+    the cluster's GPUs before any worker starts (`check_cluster_gpus`)."""
+    if cfg.ray.address:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        check_cluster_gpus(cfg, num_gpus=0)
+
+
+def check_cluster_gpus(cfg: Config, num_gpus: float) -> None:
+    """Raise `ConfigError` when a setting needs a GPU and the cluster has `num_gpus` == 0."""
+    if num_gpus > 0:
+        return
+    where = f"the Ray cluster at {cfg.ray.address}" if cfg.ray.address else "this machine"
+    if cfg.model.fp8:
+        raise ConfigError(
+            f"model.fp8={cfg.model.fp8!r} needs Transformer Engine on a CUDA GPU and {where} has none: "
+            "set model.fp8='' (off) on CPU"
+        )
+    if cfg.model.transformer_impl == "te":
+        raise ConfigError(
+            f"model.transformer_impl=te needs Transformer Engine on a CUDA GPU and {where} has none: "
+            "use 'auto' or 'local'"
+        )
+    if cfg.rollout.quantization:
+        raise ConfigError(
+            f"rollout.quantization={cfg.rollout.quantization!r} needs a CUDA GPU and {where} has none: "
+            "set rollout.quantization='' on CPU"
+        )
+
+
+def check_layout(cfg: Config, model_path: str) -> None:
+    """Errors for a parallel layout the model at `model_path` cannot be split into (heads, layers)."""
+    from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
+
+    arch = arch_from_hf_config(load_hf_config(model_path))
+    p = cfg.parallel
+    if arch.num_attention_heads % p.tp or arch.num_query_groups % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} does not divide the model's {arch.num_attention_heads} attention heads and "
+            f"{arch.num_query_groups} key/value heads: choose a tp that divides both"
+        )
+    if arch.num_layers % (p.pp * p.vpp):
+        raise ConfigError(
+            f"parallel.pp * parallel.vpp = {p.pp * p.vpp} does not divide the model's {arch.num_layers} layers"
+        )

@@ -1,0 +1,225 @@
+"""`Run`: the owner of one training run, from its start to its exit status.
+
+A run owns, in this order: the Ray cluster (`ray_cluster`, one owner, stopped at exit), the
+stop signals, the workers (`Trainer`), the start (fresh, an SFT warm start, or a resume from
+the newest checkpoint), the step loop, and its components, each of which decides when it acts:
+the `Validator` (before the first step, every `trainer.test_freq` steps, after the last) and the
+`Saver` (`train/checkpointer.py`: every `checkpoint.save_freq` steps and at the end).
+`commands/train.py` and `commands/sft.py` only parse arguments and return `Run`'s exit status:
+0 (done, or stopped by a signal after saving), 1 (a worker or a save failed), 2 (bad input).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from megatron_agent.config import Config, ConfigError, make_plan
+
+logger = logging.getLogger("megatron_agent.train")
+
+BAD_INPUT = (ConfigError, ValueError, FileNotFoundError)
+
+
+class Validator:
+    """Greedy validation on its cadence: before the first step, every `trainer.test_freq` steps
+    and after the last one."""
+
+    def __init__(self, cfg: Config, trainer):
+        self.trainer, self.freq, self.last = trainer, cfg.trainer.test_freq, cfg.trainer.total_steps
+
+    def due(self, step: int) -> bool:
+        """True when validation runs after `step` (step 0: before the first step)."""
+        return step in (0, self.last) or bool(self.freq and step % self.freq == 0)
+
+    def __call__(self) -> dict[str, float]:
+        """The validation metrics (`val/*`)."""
+        from megatron_agent.train.rl_loop import validate
+
+        return validate(self.trainer)
+
+
+class Run:
+    """One run of `train` (RL, after an optional SFT warm start) or of `sft` alone."""
+
+    def __init__(self, cfg: Config):
+        """`cfg`: a loaded config (`load_config` validated it); its plan is made here, once."""
+        self.cfg = cfg
+        self.plan = make_plan(cfg)
+
+    # ----------------------------------------------------------------------------- entry points
+    def train(self) -> int:
+        """The RL run (resumed when a checkpoint says so); returns the exit status."""
+        from megatron_agent.train.run_state import find_resume, resolve_ref_from
+        from megatron_agent.train.signals import StopRequest
+
+        trainer = self._trainer()
+        if trainer is None:
+            return 2
+        try:
+            resume_dir, state = find_resume(self.cfg)
+            if state is not None and state.get("ref_from"):  # stored relative to the run folder
+                state["ref_from"] = str(resolve_ref_from(state["ref_from"], trainer.run_dir, resume_dir))
+        except BAD_INPUT as exc:
+            return _error(exc, 2)
+        total = self.cfg.trainer.total_steps
+        if state is not None and state["step"] >= total:
+            print(
+                f"the run is already finished: {resume_dir} is at step {state['step']} of "
+                f"trainer.total_steps={total}; nothing to do (raise trainer.total_steps to go on)"
+            )
+            return 0
+        if not _versions_ok():
+            return 2
+        with StopRequest() as stop:
+            return self._with_workers(
+                trainer, stop, lambda log: self._rl(trainer, log, stop, resume_dir, state)
+            )
+
+    def sft(self) -> int:
+        """SFT alone (`sft` command): the checkpoint that `train` starts from with `trainer.init_from`."""
+        from megatron_agent.train.sft_run import run_sft
+
+        trainer = self._trainer()
+        if trainer is None:
+            return 2
+
+        def body(run_log) -> int:
+            ckpt = run_sft(trainer, run_log, trainer.run_dir / "sft" / "checkpoint")
+            print(f"SFT checkpoint: {ckpt}\nstart RL from it with: trainer.init_from={ckpt}")
+            return 0
+
+        return self._with_workers(trainer, None, body, engines=False)
+
+    # ----------------------------------------------------------------------------- lifetime
+    def _trainer(self):
+        from megatron_agent.train.trainer import Trainer
+
+        try:
+            return Trainer(self.cfg, self.plan)
+        except BAD_INPUT as exc:
+            _error(exc, 2)
+            return None
+
+    def _with_workers(self, trainer, stop, body, *, engines: bool = True) -> int:
+        """Ray, then the signal handlers, then the workers; `body(run_log)` in between; everything
+        closed in reverse order whatever happens."""
+        import ray
+
+        from megatron_agent.config import config_to_dict
+        from megatron_agent.config.validate import check_cluster_gpus
+        from megatron_agent.train.checkpointer import SaveError
+        from megatron_agent.train.cluster import WorkerError, ray_cluster
+        from megatron_agent.train.run_log import RunLogger
+
+        cfg = self.cfg
+        run_log = RunLogger(trainer.run_dir, cfg.logging, config_dict=config_to_dict(cfg))
+        try:
+            # ray.init installs Ray's own SIGTERM handler (a crash report): Ray first, then ours.
+            with ray_cluster(cfg.ray.address, cfg.ray.num_cpus):
+                if cfg.ray.address:  # a joined cluster: GPU-only settings need its GPUs
+                    check_cluster_gpus(cfg, ray.cluster_resources().get("GPU", 0))
+                if stop is not None:
+                    stop.install()
+                try:
+                    trainer.start(engines=engines)
+                    return body(run_log)
+                finally:
+                    trainer.close()
+        except ConfigError as exc:
+            return _error(exc, 2)
+        except (WorkerError, SaveError) as exc:
+            return _error(exc, 1)
+        finally:
+            run_log.close()
+
+    # ----------------------------------------------------------------------------- RL
+    def _rl(self, trainer, run_log, stop, resume_dir: Path | None, state: dict | None) -> int:
+        from megatron_agent.train.checkpointer import SaveError, Saver
+        from megatron_agent.train.rl_loop import rl_step
+        from megatron_agent.train.run_state import rollout_seed
+
+        cfg, total = self.cfg, self.cfg.trainer.total_steps
+        saver, validator = Saver(cfg, trainer, run_log), Validator(cfg, trainer)
+        if state is not None:
+            done = self._resume(trainer, run_log, saver, resume_dir, state)
+        else:
+            done = self._fresh_start(trainer, run_log, saver, validator)
+        for step in range(done + 1, total + 1):
+            if stop.requested:
+                break
+            trainer.reseed_engines(rollout_seed(cfg.rollout.seed, step), step)
+            metrics = rl_step(trainer, step)
+            if validator.due(step):
+                metrics.update(validator())
+            metrics["checkpoint/save_errors"] = float(saver.num_errors)
+            run_log.log(step, metrics)
+            done = step
+            if saver.due(step) and not stop.requested:
+                saver.save(done)
+        final = saver.save(done)
+        if final is None:
+            raise SaveError(f"the final checkpoint (step {done}) could not be saved; see the warning above")
+        if stop.requested:
+            print(
+                f"stopped by {stop.name} after step {done}; checkpoint: {final}; resume with trainer.resume=auto"
+            )
+            return 0
+        print(f"checkpoint: {final}\nmetrics: {run_log.metrics_path}\nplot: {run_log.plot_path}")
+        return 0
+
+    def _fresh_start(self, trainer, run_log, saver, validator) -> int:
+        """SFT warm start when configured, the first sync, validation before the first step."""
+        from megatron_agent.train.sft_run import run_sft
+
+        cfg = self.cfg
+        if cfg.sft.steps > 0 and not cfg.trainer.init_from:
+            ckpt = run_sft(trainer, run_log, trainer.run_dir / "sft" / "checkpoint")
+            logger.info("SFT checkpoint: %s", ckpt)
+            self._restart_actors_from(trainer, str(ckpt))
+            saver.ref_from = str(ckpt)
+        trainer.make_update(self.plan.total_optimizer_steps)
+        first = trainer.sync()
+        skipped = {"data/skipped_rows": float(trainer.num_skipped_rows)}
+        run_log.log(0, {**first, **(validator() if validator.due(0) else {}), **skipped})
+        return 0
+
+    def _resume(self, trainer, run_log, saver, resume_dir: Path, state: dict) -> int:
+        """Restore the workers and the driver from `resume_dir`; returns the step it holds."""
+        from megatron_agent.train.run_state import restore_driver_state
+
+        saver.ref_from = state.get("ref_from", "")
+        if saver.ref_from:  # the reference is the SFT result: load it before the actor's state
+            self._restart_actors_from(trainer, saver.ref_from)
+        trainer.make_update(self.plan.total_optimizer_steps)
+        trainer.actors.call("load_state", str(resume_dir))
+        done = restore_driver_state(trainer, run_log, state)
+        saver.last_saved = done
+        saver.num_errors = int(state["history"][-1].get("checkpoint/save_errors", 0))
+        trainer.engines.call("set_weight_version", done)  # as if steps 1..done had synced
+        trainer.sync()
+        print(f"resumed from {resume_dir} (step {done}); continuing at step {done + 1}")
+        return done
+
+    @staticmethod
+    def _restart_actors_from(trainer, ckpt: str) -> None:
+        trainer.actors.call("restart_from", ckpt)
+        trainer.actors.call("connect_engines", trainer.engines.workers)
+
+
+def _versions_ok() -> bool:
+    from megatron_agent.platform.versions import check_versions
+
+    problems = check_versions()
+    for problem in problems:
+        logger.warning("%s", problem)
+    if any(p.startswith("error:") for p in problems):
+        print("error: the installed versions cannot work together (see above)", file=sys.stderr)
+        return False
+    return True
+
+
+def _error(exc: BaseException, status: int) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return status

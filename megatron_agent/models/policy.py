@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 
 from megatron_agent.models.build import BuildOptions, build_model_chunks, resolve_transformer_impl
-from megatron_agent.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
-from megatron_agent.platform.setup import device as compute_device
-from megatron_agent.train.forward_backward import (
+from megatron_agent.models.forward_backward import (
     LossFn,
     forward_backward,
     gather_per_sequence,
     make_micro_batches,
 )
+from megatron_agent.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
+from megatron_agent.platform.setup import device as compute_device
 from megatron_agent.weights.load import load_hf_weights
 
 

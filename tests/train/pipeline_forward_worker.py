@@ -20,9 +20,9 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from megatron_agent.models.build import BuildOptions
+    from megatron_agent.models.forward_backward import forward_backward, make_micro_batches
     from megatron_agent.models.policy import MegatronModel, OptimConfig
     from megatron_agent.platform.parallel import init_model_parallel
-    from megatron_agent.train.forward_backward import forward_backward, make_micro_batches
 
     init_model_parallel(tp=1, pp=2, vpp=2, seed=1)
     opts = BuildOptions(tp=1, pp=2, vpp=2)

@@ -111,7 +111,7 @@ def run_spec(impl: str, arch, args) -> dict:
 
     opts = BuildOptions(dtype=args.dtype, transformer_impl=impl)
     model = MegatronModel(build_model_chunks(arch, opts), arch, opts, trainable=True)
-    model._wrap_for_training(OptimConfig(lr=1e-5, use_distributed_optimizer=True))
+    model.wrap_for_training(OptimConfig(lr=1e-5, use_distributed_optimizer=True))
     g = torch.Generator().manual_seed(0)
     sequences = [
         torch.randint(0, arch.vocab_size, (args.seq_len,), generator=g).tolist()

@@ -7,7 +7,7 @@ one 988 MB safetensors file, random weights). Each measurement runs in fresh pro
 the file was read once (a warm page cache, the same for every phase):
   read    a plain safetensors read of every tensor into the process's memory (load_file, then
           each tensor copied out of the memory map), one process: the bound
-  tp1     `MegatronModel.from_hf(..., BuildOptions(tp=1, dtype="bf16"), trainable=False)`
+  tp1     `policy_from_hf(..., BuildOptions(tp=1, dtype="bf16"), trainable=False)`
   tp2     the same at tp=2 on two gloo ranks (time until both ranks hold their shards)
   old     (once, for reference; --no-old skips it) tp1 the old way: random initialisation, then
           the load
@@ -73,9 +73,9 @@ def _model_rank(hf: Path, tp: int, old: bool) -> dict | None:
     """One rank of a TP group (environment from the parent): build and load, report on rank 0."""
     import torch.distributed as dist
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.models.build import BuildOptions, build_model_chunks, resolve_transformer_impl
     from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
-    from megatron_agent.models.policy import MegatronModel
     from megatron_agent.platform.parallel import init_model_parallel
     from megatron_agent.weights.load import load_hf_weights
 
@@ -90,7 +90,7 @@ def _model_rank(hf: Path, tp: int, old: bool) -> dict | None:
         chunks = build_model_chunks(arch, opts, trainable=False, initialize=True)
         load_hf_weights(chunks, arch, hf, impl=resolve_transformer_impl(opts.transformer_impl))
     else:
-        chunks = MegatronModel.from_hf(hf, opts, trainable=False).chunks
+        chunks = policy_from_hf(hf, opts, trainable=False).chunks
     mine, cpu = time.perf_counter() - start, _cpu() - cpu
     peak = _status("VmHWM")
     shard = sum(p.nbytes for c in chunks for p in c.parameters())

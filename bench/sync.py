@@ -116,9 +116,9 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.config import SyncConfig
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel
     from megatron_agent.platform.parallel import init_model_parallel
     from megatron_agent.sync import SubprocessEndpoint, WeightSender
 
@@ -132,7 +132,7 @@ def worker(args) -> None:
             env={"OMP_NUM_THREADS": "1"},
             name="bench-engine",
         )
-    model = MegatronModel.from_hf(args.model, BuildOptions(tp=args.tp), trainable=False)
+    model = policy_from_hf(args.model, BuildOptions(tp=args.tp), trainable=False)
     endpoints = [engine] if rank == 0 else []
     sender = WeightSender(model, SyncConfig(bucket_mb=args.bucket_mb), endpoints)
     # The same sync without verification (no checksums, no probe), timed in the same rounds: the

@@ -85,12 +85,12 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
 
     init_model_parallel(args.tp, args.pp)
-    model = MegatronModel.from_hf(
+    model = policy_from_hf(
         args.model, BuildOptions(tp=args.tp, pp=args.pp, dtype=args.dtype), trainable=False
     )
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

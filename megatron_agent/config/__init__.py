@@ -28,7 +28,7 @@ from megatron_agent.config.schema import (
     ToolsConfig,
     TrainerConfig,
 )
-from megatron_agent.config.validate import check_layout, validate_config
+from megatron_agent.config.validate import validate_config
 
 __all__ = [
     "ActorConfig",
@@ -50,7 +50,6 @@ __all__ = [
     "ToolsConfig",
     "TrainerConfig",
     "apply_override",
-    "check_layout",
     "config_from_dict",
     "config_to_dict",
     "load_config",

@@ -100,7 +100,7 @@ class RolloutConfig:
     """Seed of the rollout engine's sampler."""
     quantization: Literal["", "fp8"] = ""
     """'' (serve the actor's dtype) or 'fp8': vLLM serves FP8 weights quantized from the BF16 actor
-    at every sync (GPU only; turns algorithm.rollout_is on unless it is set; see sync/fp8.py)."""
+    at every sync (GPU only; turns algorithm.rollout_is on unless it is set; see rollout/fp8.py)."""
     fp8_scales: Literal["tensor", "block128"] = "tensor"
     """rollout.quantization=fp8: 'tensor' (one scale per weight) or 'block128' (per 128x128 tile)."""
 

@@ -2,8 +2,8 @@
 
 Types and single-field choices are checked while the config is loaded (`load.py`); here are the
 checks that involve several fields, the file system or the machine. Each error names the key and
-the fix. `check_layout` needs the model's `config.json`, so it runs as soon as the model folder
-exists (at once for `model.path`, after the tiny model is made otherwise).
+the fix. The layout check against the model's heads and layers needs its `config.json`, so the
+trainer runs it once the model folder exists (`train.trainer.check_layout`).
 """
 
 from __future__ import annotations
@@ -116,21 +116,4 @@ def check_cluster_gpus(cfg: Config, num_gpus: float) -> None:
         raise ConfigError(
             f"rollout.quantization={cfg.rollout.quantization!r} needs a CUDA GPU and {where} has none: "
             "set rollout.quantization='' on CPU"
-        )
-
-
-def check_layout(cfg: Config, model_path: str) -> None:
-    """Errors for a parallel layout the model at `model_path` cannot be split into (heads, layers)."""
-    from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
-
-    arch = arch_from_hf_config(load_hf_config(model_path))
-    p = cfg.parallel
-    if arch.num_attention_heads % p.tp or arch.num_query_groups % p.tp:
-        raise ConfigError(
-            f"parallel.tp={p.tp} does not divide the model's {arch.num_attention_heads} attention heads and "
-            f"{arch.num_query_groups} key/value heads: choose a tp that divides both"
-        )
-    if arch.num_layers % (p.pp * p.vpp):
-        raise ConfigError(
-            f"parallel.pp * parallel.vpp = {p.pp * p.vpp} does not divide the model's {arch.num_layers} layers"
         )

@@ -1,29 +1,27 @@
-"""Actor and reference models: Megatron GPT chunks loaded from HF, with log-probs and training.
+"""Actor and reference models: Megatron GPT chunks with log-probs and training.
 
-`MegatronModel.from_hf(path, opts, trainable=...)` builds this rank's chunks for the current
-parallel state and loads the HF weights. A trainable model (the actor) is wrapped in Megatron's
-DDP and gets Megatron's optimizer; a frozen one (the reference) can be offloaded to the CPU
-between uses.
+`megatron_agent.build_policy.policy_from_hf(path, opts, trainable=...)` builds this rank's chunks
+for the current parallel state and loads the HF weights into a `MegatronModel`. A trainable model
+(the actor) is wrapped in Megatron's DDP and gets Megatron's optimizer (`wrap_for_training`); a
+frozen one (the reference) can be offloaded to the CPU between uses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from megatron_agent.models.build import BuildOptions, build_model_chunks, resolve_transformer_impl
-from megatron_agent.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
-from megatron_agent.platform.setup import device as compute_device
-from megatron_agent.train.forward_backward import (
+from megatron_agent.models.build import BuildOptions
+from megatron_agent.models.forward_backward import (
     LossFn,
     forward_backward,
     gather_per_sequence,
     make_micro_batches,
 )
-from megatron_agent.weights.load import load_hf_weights
+from megatron_agent.models.hf_config import ModelArch
+from megatron_agent.platform.setup import device as compute_device
 
 
 @dataclass
@@ -49,29 +47,8 @@ class MegatronModel:
         self.optimizer = None
         self._offloaded = False
 
-    @classmethod
-    def from_hf(
-        cls,
-        model_path: str | Path,
-        opts: BuildOptions,
-        *,
-        trainable: bool = True,
-        optim: OptimConfig | None = None,
-    ) -> MegatronModel:
-        """Build and load a model; a trainable one is DDP-wrapped and gets an optimizer.
-
-        The model is built without random initialisation (the load fills every parameter, or
-        fails naming the ones it could not), and each TP rank reads about its own shard only.
-        """
-        arch = arch_from_hf_config(load_hf_config(model_path))
-        chunks = build_model_chunks(arch, opts, trainable=trainable, initialize=False)
-        load_hf_weights(chunks, arch, model_path, impl=resolve_transformer_impl(opts.transformer_impl))
-        model = cls(chunks, arch, opts, trainable=trainable)
-        if trainable:
-            model._wrap_for_training(optim or OptimConfig())
-        return model
-
-    def _wrap_for_training(self, optim: OptimConfig) -> None:
+    def wrap_for_training(self, optim: OptimConfig) -> None:
+        """Wrap the chunks in Megatron's DDP and create Megatron's optimizer (once, before training)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads as megatron_finalize
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

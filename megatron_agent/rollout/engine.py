@@ -142,12 +142,13 @@ class VLLMEngine:
         vLLM V1 logits-processor classes (e.g. `ForcedTokensLogitsProcessor` for scripted tests).
         `block_size` is the KV-cache block (prefix-cache granularity); None means 32 on CPU and
         vLLM's default on GPU. `quantization='fp8'` serves FP8 weights (GPU only): the folder is
-        converted once into `cache_dir` and every sync then sends FP8 weights (`sync.fp8`).
+        converted once into `cache_dir` (`rollout.fp8`) and every sync then sends FP8 weights
+        (`sync.fp8`).
         """
         on_gpu = torch.cuda.is_available()
         self.quantization = None
         if quantization:
-            from megatron_agent.sync.fp8 import prepare_fp8_engine
+            from megatron_agent.rollout.fp8 import prepare_fp8_engine
 
             model_path, self.quantization = prepare_fp8_engine(
                 model_path, quantization, fp8_scales, dtype, cache_dir

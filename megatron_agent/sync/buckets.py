@@ -28,7 +28,7 @@ _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn,  # FP8 rollout weights (sync.fp8)
+    "float8_e4m3fn": torch.float8_e4m3fn,  # FP8 rollout weights (rollout.fp8)
 }
 
 

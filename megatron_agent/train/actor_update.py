@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_agent.models.forward_backward import forward_backward, make_micro_batches
 from megatron_agent.rl import GuardBatch, StepGuard, agg_loss, compute_kl_loss, compute_policy_loss
 from megatron_agent.rl.aggregate import global_batch_counts
 from megatron_agent.train.batch import RLBatch, dp_shard
-from megatron_agent.train.forward_backward import forward_backward, make_micro_batches
 
 
 @dataclass

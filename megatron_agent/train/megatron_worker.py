@@ -52,8 +52,8 @@ class MegatronWorker:
         `init_from`: a checkpoint (e.g. from `sft`) whose weights replace model_path's, for both
         the actor and the reference. Returns this rank's parallel info.
         """
+        from megatron_agent.build_policy import policy_from_hf
         from megatron_agent.models.build import BuildOptions
-        from megatron_agent.models.policy import MegatronModel
         from megatron_agent.platform.parallel import init_model_parallel
         from megatron_agent.platform.setup import has_cuda
         from megatron_agent.train.actor_update import parallel_info
@@ -82,9 +82,7 @@ class MegatronWorker:
         self.model_path = model_path
         self.actor = self._new_actor(opts)
         # Without a KL term the reference is never read: it is not built.
-        self.ref = (
-            MegatronModel.from_hf(model_path, opts, trainable=False) if self.plan.uses_reference else None
-        )
+        self.ref = policy_from_hf(model_path, opts, trainable=False) if self.plan.uses_reference else None
         if init_from:
             self._load_weights(init_from)
         if self.ref is not None and cfg.model.ref_offload:
@@ -219,7 +217,8 @@ class MegatronWorker:
 
     def _new_actor(self, opts):
         """The trainable actor from `self.model_path` with a fresh optimizer (the `actor` section)."""
-        from megatron_agent.models.policy import MegatronModel, OptimConfig
+        from megatron_agent.build_policy import policy_from_hf
+        from megatron_agent.models.policy import OptimConfig
 
         a = self.cfg.actor
         optim = OptimConfig(
@@ -228,7 +227,7 @@ class MegatronWorker:
             grad_clip=a.grad_clip,
             use_distributed_optimizer=a.use_distributed_optimizer,
         )
-        return MegatronModel.from_hf(self.model_path, opts, trainable=True, optim=optim)
+        return policy_from_hf(self.model_path, opts, trainable=True, optim=optim)
 
     def restart_from(self, ckpt_dir: str) -> None:
         """Actor (with a fresh optimizer) and reference both from `ckpt_dir` (after SFT)."""

@@ -3,7 +3,7 @@
 `sft_step` normalises the loss by the GLOBAL number of loss tokens (all-reduced over the
 data-parallel group), so the gradient of a batch does not depend on how it is split over DP
 ranks or micro-batches: the schedule sums micro-batch losses and DDP sums gradients (see
-`train/forward_backward.py` and docs/rl.md). `sft_batches` gives each step's rows, resumable by
+`models/forward_backward.py` and docs/rl.md). `sft_batches` gives each step's rows, resumable by
 step number; `lr_at` is the warmup + cosine schedule the SFT loop uses.
 """
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_agent.config import Config, ConfigError, RunPlan, check_layout, config_to_dict, make_plan
+from megatron_agent.config import Config, ConfigError, RunPlan, config_to_dict, make_plan
 from megatron_agent.data.sampler import PromptSampler
 from megatron_agent.data.tasks import Task
 from megatron_agent.rl.kl_controller import make_kl_controller
@@ -38,6 +38,23 @@ def make_base_model(cfg: Config, plan: RunPlan) -> str:
             make_tiny_model(out, plan.tiny_family, seed=cfg.trainer.seed)
     check_layout(cfg, plan.model_path)
     return plan.model_path
+
+
+def check_layout(cfg: Config, model_path: str) -> None:
+    """Errors for a parallel layout the model at `model_path` cannot be split into (heads, layers)."""
+    from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
+
+    arch = arch_from_hf_config(load_hf_config(model_path))
+    p = cfg.parallel
+    if arch.num_attention_heads % p.tp or arch.num_query_groups % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} does not divide the model's {arch.num_attention_heads} attention heads and "
+            f"{arch.num_query_groups} key/value heads: choose a tp that divides both"
+        )
+    if arch.num_layers % (p.pp * p.vpp):
+        raise ConfigError(
+            f"parallel.pp * parallel.vpp = {p.pp * p.vpp} does not divide the model's {arch.num_layers} layers"
+        )
 
 
 class Trainer:

@@ -20,12 +20,13 @@ from tests.helpers.mp_logprobs_worker import sequences  # noqa: E402
 
 def train_losses(model_path: str, impl: str, steps: int) -> dict:
     """Token-mean NLL of the fixed sequences before each of `steps` BF16 optimizer steps."""
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.models.policy import OptimConfig
 
     opts = BuildOptions(dtype="bf16", transformer_impl=impl)
     optim = OptimConfig(lr=3e-3, use_distributed_optimizer=True)
-    model = MegatronModel.from_hf(model_path, opts, trainable=True, optim=optim)
+    model = policy_from_hf(model_path, opts, trainable=True, optim=optim)
     seqs = sequences()
     num_targets = sum(len(s) - 1 for s in seqs)
 
@@ -51,8 +52,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
 
     init_model_parallel(1, 1)
@@ -60,7 +61,7 @@ def main() -> None:
     for impl in args.impls:
         for dtype in args.dtypes:
             opts = BuildOptions(dtype=dtype, transformer_impl=impl)
-            model = MegatronModel.from_hf(args.model, opts, trainable=False)
+            model = policy_from_hf(args.model, opts, trainable=False)
             result["logprobs"][f"{impl}/{dtype}"] = [
                 x.float().cpu().tolist() for x in model.logprobs(sequences())
             ]

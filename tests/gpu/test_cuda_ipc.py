@@ -34,8 +34,9 @@ def _engine(requests, replies):
 
 
 def _bucket():
+    from megatron_agent.rollout.fp8 import Fp8Quantizer
     from megatron_agent.sync.buckets import BucketHeader, BucketWriter, default_algo, units_nbytes
-    from megatron_agent.sync.fp8 import Fp8Quantizer, wire_dtype
+    from megatron_agent.sync.fp8 import wire_dtype
     from megatron_agent.sync.transports import BucketBuffer
 
     g = torch.Generator(device="cuda").manual_seed(0)

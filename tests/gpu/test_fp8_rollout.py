@@ -33,7 +33,7 @@ def _hf_logprobs(path, seqs) -> torch.Tensor:
 
 
 def _fp8_tensors(path, scales: str):
-    from megatron_agent.sync.fp8 import Fp8Quantizer, iter_fp8_checkpoint
+    from megatron_agent.rollout.fp8 import Fp8Quantizer, iter_fp8_checkpoint
 
     return list(iter_fp8_checkpoint(path, Fp8Quantizer(scales)))
 

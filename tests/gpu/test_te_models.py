@@ -25,12 +25,12 @@ def parallel():
 def test_te_spec_matches_hf(parallel, tiny_models, name):
     from transformers import AutoModelForCausalLM
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.models.build import BuildOptions, resolve_transformer_impl
-    from megatron_agent.models.policy import MegatronModel
     from tests.helpers.mp_logprobs_worker import sequences
 
     assert resolve_transformer_impl("auto") == "te"
-    model = MegatronModel.from_hf(tiny_models[name], BuildOptions(transformer_impl="te"), trainable=False)
+    model = policy_from_hf(tiny_models[name], BuildOptions(transformer_impl="te"), trainable=False)
     ours = model.logprobs(sequences())
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_models[name]), dtype=torch.float32).cuda().eval()
     with torch.no_grad():
@@ -42,11 +42,11 @@ def test_te_spec_matches_hf(parallel, tiny_models, name):
 
 
 def test_fp8_forward_runs(parallel, tiny_models):
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel
     from tests.helpers.mp_logprobs_worker import sequences
 
-    model = MegatronModel.from_hf(
+    model = policy_from_hf(
         tiny_models["qwen2"],
         BuildOptions(transformer_impl="te", dtype="bf16", fp8="tensorwise"),
         trainable=False,

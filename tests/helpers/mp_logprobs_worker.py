@@ -37,8 +37,8 @@ def main() -> None:
 
     from megatron.core import parallel_state as ps
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
 
     results = {"logprobs": {}, "train": {}}
@@ -48,7 +48,7 @@ def main() -> None:
         for layout in args.layouts:
             tp, pp, vpp = parse_layout(layout)
             init_model_parallel(tp, pp, vpp)
-            model = MegatronModel.from_hf(model_path, BuildOptions(tp=tp, pp=pp, vpp=vpp), trainable=False)
+            model = policy_from_hf(model_path, BuildOptions(tp=tp, pp=pp, vpp=vpp), trainable=False)
             lps = model.logprobs(seqs, max_tokens=64)
             local = (
                 [x.tolist() for x in lps]
@@ -76,13 +76,14 @@ def train_nll(model_path: str, layout: str, seqs: list[list[int]], steps: int = 
     """
     from megatron.core import parallel_state as ps
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.models.policy import OptimConfig
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
 
     tp, pp, vpp = parse_layout(layout)
     init_model_parallel(tp, pp, vpp)
-    model = MegatronModel.from_hf(
+    model = policy_from_hf(
         model_path, BuildOptions(tp=tp, pp=pp, vpp=vpp), trainable=True, optim=OptimConfig(lr=3e-3)
     )
     # Mask out the first half of every sequence's targets: only the rest carries loss.

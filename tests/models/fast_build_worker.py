@@ -1,7 +1,7 @@
 """torchrun worker for tests/models/test_fast_build.py (4 gloo ranks).
 
 For every model folder and layout: log-probs and parameters of the fast build
-(`MegatronModel.from_hf`: no random initialisation, per-rank slice reads) and of the old build
+(`policy_from_hf`: no random initialisation, per-rank slice reads) and of the old build
 (random initialisation, then every full HF tensor assembled and split with `mapping.hf_to_full`
 and `mapping.shard`). Then the errors of a checkpoint missing one tensor and of a model with a
 parameter the mapping table does not cover. Rank 0 writes everything to a JSON file.
@@ -58,11 +58,11 @@ def error_of(fn) -> list:
 
 def checkpoint_round_trip(model_path: str, opts, ckpt_dir: str) -> list[str]:
     """Save a fast-built model, load it into a model built without init; names of differing params."""
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.checkpoint.model_io import load_checkpoint, save_checkpoint
     from megatron_agent.models.build import build_model_chunks
-    from megatron_agent.models.policy import MegatronModel
 
-    source = MegatronModel.from_hf(model_path, opts, trainable=False)
+    source = policy_from_hf(model_path, opts, trainable=False)
     save_checkpoint(ckpt_dir, source.chunks, source.arch, hf_dir=model_path)
     chunks = build_model_chunks(source.arch, opts, trainable=False, initialize=False)
     load_checkpoint(ckpt_dir, chunks, source.arch)
@@ -86,6 +86,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.models.build import BuildOptions, build_model_chunks
     from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
     from megatron_agent.models.policy import MegatronModel
@@ -102,7 +103,7 @@ def main() -> None:
             opts = BuildOptions(tp=tp, pp=pp)
             init_model_parallel(tp, pp)
             rng = torch.get_rng_state()
-            fast = MegatronModel.from_hf(model_path, opts, trainable=False)
+            fast = policy_from_hf(model_path, opts, trainable=False)
             # Random initialisation draws from the RNG (Megatron's TP tracker is the CPU one
             # here); a build without it leaves the state untouched.
             fast_drew = not torch.equal(rng, torch.get_rng_state())
@@ -131,7 +132,7 @@ def main() -> None:
     init_model_parallel(2, 2)
     opts = BuildOptions(tp=2, pp=2)
     results["checkpoint_params_differ"] = checkpoint_round_trip(args.models[-1], opts, args.ckpt_dir)
-    missing = error_of(lambda: MegatronModel.from_hf(args.missing_tensor_model, opts, trainable=False))
+    missing = error_of(lambda: policy_from_hf(args.missing_tensor_model, opts, trainable=False))
 
     def load_with_extra_parameter():
         model_path = args.models[0]

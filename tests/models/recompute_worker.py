@@ -18,8 +18,9 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.models.policy import OptimConfig
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
     from tests.helpers.mp_logprobs_worker import sequences
 
@@ -33,7 +34,7 @@ def main() -> None:
     results = {}
     for recompute in ("none", "selective", "full"):
         init_model_parallel(2, 1)
-        model = MegatronModel.from_hf(
+        model = policy_from_hf(
             args.model, BuildOptions(tp=2, recompute=recompute), trainable=True, optim=OptimConfig(lr=1e-3)
         )
         config = model.chunks[0].config

@@ -128,9 +128,10 @@ def start_engines(models, cache_dir):
 def run_layouts(args):
     from megatron.core import parallel_state as ps
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.config import SyncConfig
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.models.policy import OptimConfig
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
     from megatron_agent.platform.setup import init_distributed
     from megatron_agent.sync import SubprocessEndpoint, WeightSender
@@ -144,7 +145,7 @@ def run_layouts(args):
     for layout, model_path in pairs:
         tp, pp, vpp = parse_layout(layout)
         init_model_parallel(tp, pp, vpp)
-        model = MegatronModel.from_hf(
+        model = policy_from_hf(
             model_path, BuildOptions(tp=tp, pp=pp, vpp=vpp), trainable=True, optim=OptimConfig(lr=2e-3)
         )
         sender_rank = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
@@ -212,9 +213,10 @@ def export(model, model_path, sender, out_dir):
 
 
 def run_failures(args):
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.config import SyncConfig
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.models.policy import OptimConfig
     from megatron_agent.platform.parallel import init_model_parallel
     from megatron_agent.sync import SubprocessEndpoint, SyncError, WeightSender
 
@@ -222,7 +224,7 @@ def run_failures(args):
     ep = SubprocessEndpoint(
         args.model, engine_kwargs(args.cache), env={"OMP_NUM_THREADS": "1"}, name="victim"
     )
-    model = MegatronModel.from_hf(args.model, BuildOptions(), trainable=True, optim=OptimConfig(lr=2e-3))
+    model = policy_from_hf(args.model, BuildOptions(), trainable=True, optim=OptimConfig(lr=2e-3))
     cfg = SyncConfig(bucket_mb=1, timeout_s=60)
     out = {"pid": ep.pid}
 
@@ -259,9 +261,10 @@ def run_failures(args):
 
 def run_gpu(args):
     """One rank on GPU: sync into a vLLM engine process over `--transport`, train, sync again."""
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.config import SyncConfig
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.models.policy import OptimConfig
     from megatron_agent.platform.parallel import init_model_parallel
     from megatron_agent.sync import SubprocessEndpoint, WeightSender
 
@@ -270,7 +273,7 @@ def run_gpu(args):
     env = {"CUDA_VISIBLE_DEVICES": "1"} if args.transport == "nccl" else {}
     kwargs = {"dtype": "float32", "gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": None, "seed": 0}
     ep = SubprocessEndpoint(args.model, kwargs, env=env, name=f"gpu-{args.transport}")
-    model = MegatronModel.from_hf(args.model, BuildOptions(), trainable=True, optim=OptimConfig(lr=2e-3))
+    model = policy_from_hf(args.model, BuildOptions(), trainable=True, optim=OptimConfig(lr=2e-3))
     # GPU attention kernels differ from Megatron's more than the CPU ones: 2e-3 in fp32.
     cfg = SyncConfig(bucket_mb=1, transport=args.transport, probe_tol_fp32=2e-3, timeout_s=300)
     sender = WeightSender(model, cfg, [ep])

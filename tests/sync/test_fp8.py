@@ -1,5 +1,5 @@
-"""FP8 rollout weights (sync.fp8) on CPU: quantize/dequantize bounds, scale shapes, names, buckets,
-the FP8 checkpoint folder, the config default and the capability errors."""
+"""FP8 rollout weights (rollout.fp8, sync.fp8) on CPU: quantize/dequantize bounds, scale shapes,
+names, buckets, the FP8 checkpoint folder, the config default and the capability errors."""
 
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ import json
 import pytest
 import torch
 
-from megatron_agent.sync.buckets import BucketHeader, BucketWriter, first_bad_entry, iter_views, units_nbytes
-from megatron_agent.sync.fp8 import (
+from megatron_agent.rollout.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     Fp8Quantizer,
     dequantize,
-    fp8_quantizer,
     is_quantized_linear,
     prepare_fp8_engine,
     quantize_blockwise,
     quantize_per_tensor,
     write_fp8_checkpoint,
 )
+from megatron_agent.sync.buckets import BucketHeader, BucketWriter, first_bad_entry, iter_views, units_nbytes
+from megatron_agent.sync.fp8 import fp8_quantizer
 from megatron_agent.sync.transports import BucketBuffer, open_bucket
 
 # e4m3: 3 mantissa bits -> rounding to nearest is within 2^-4 of |x| for normal values; below

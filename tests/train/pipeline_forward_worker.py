@@ -19,14 +19,15 @@ def main() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.models.forward_backward import forward_backward, make_micro_batches
+    from megatron_agent.models.policy import OptimConfig
     from megatron_agent.platform.parallel import init_model_parallel
-    from megatron_agent.train.forward_backward import forward_backward, make_micro_batches
 
     init_model_parallel(tp=1, pp=2, vpp=2, seed=1)
     opts = BuildOptions(tp=1, pp=2, vpp=2)
-    model = MegatronModel.from_hf(args.model, opts, trainable=True, optim=OptimConfig(lr=0.0))
+    model = policy_from_hf(args.model, opts, trainable=True, optim=OptimConfig(lr=0.0))
     g = torch.Generator().manual_seed(0)
     lengths = [30, 30, 30, 30, 24, 30, 17, 30]  # one row per micro-batch: 4 groups of PP
     sequences = [torch.randint(3, 60, (n,), generator=g).tolist() for n in lengths]

@@ -42,9 +42,10 @@ def export_hf(model, src_dir: Path, out_dir: Path) -> Path:
 def sft(args, base: Path) -> tuple[Path, dict]:
     from transformers import AutoTokenizer
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.data.sft import quickstart_sft_data, tokenize_rows
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.models.policy import OptimConfig
     from megatron_agent.platform.parallel import init_model_parallel
     from megatron_agent.train.sft import lr_at, set_lr, sft_batches, sft_step
 
@@ -52,7 +53,7 @@ def sft(args, base: Path) -> tuple[Path, dict]:
     rows = quickstart_sft_data(args.num_demos, seed=args.seed, tool_use_rate=args.rate)
     ids, masks, skipped = tokenize_rows(tokenizer, rows)
     init_model_parallel(1, 1, seed=args.seed)
-    model = MegatronModel.from_hf(
+    model = policy_from_hf(
         base, BuildOptions(), trainable=True, optim=OptimConfig(lr=args.lr, weight_decay=0.0)
     )
     start = time.monotonic()

@@ -23,9 +23,10 @@ def main() -> None:
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
+    from megatron_agent.build_policy import policy_from_hf
     from megatron_agent.data.sft import synthetic_calculator_demos, tokenize_rows
     from megatron_agent.models.build import BuildOptions
-    from megatron_agent.models.policy import MegatronModel, OptimConfig
+    from megatron_agent.models.policy import OptimConfig
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
     from megatron_agent.train.sft import dp_share, sft_step
 
@@ -36,7 +37,7 @@ def main() -> None:
     for layout in args.layouts:
         tp, pp = map(int, layout.split("x"))
         init_model_parallel(tp, pp, seed=1)
-        model = MegatronModel.from_hf(
+        model = policy_from_hf(
             args.model, BuildOptions(tp=tp, pp=pp), trainable=True, optim=OptimConfig(lr=2e-3)
         )
         # The forward-only NLL of the whole batch, before any step: what step 0 must report.

@@ -15,10 +15,11 @@ run: install
 ## The test suite (CPU; slow and gpu tests excluded), plus lint.
 test: install
 	$(PY) -m ruff check megatron_agent tests tools bench
-	$(PY) -m pytest -m "not slow and not gpu" -q
+	$(PY) -m pytest -m "not slow and not gpu" -q --durations=25
 
+## What `make test` leaves out: the long runs listed in tests/conftest.py (SLOW) and the README.
 test-slow: install
-	$(PY) -m pytest -m slow -q
+	$(PY) -m pytest -m "slow and not gpu" -q --durations=25
 
 lint: install
 	$(PY) -m ruff check megatron_agent tests tools bench

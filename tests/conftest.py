@@ -104,3 +104,89 @@ def read_dump(run_dir, step: int) -> list[dict]:
     """The rows of `<run_dir>/rollouts/step_{step:06d}.jsonl`."""
     path = Path(run_dir) / "rollouts" / f"step_{step:06d}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- test tiers
+# Every test gets one tier marker from its file: `unit` (no process started: pure Python, torch
+# in this process, an in-process engine), `dist` (torchrun with several gloo ranks, a Ray
+# cluster, or a subprocess of the CLI), `e2e` (whole trainer runs). Files not listed are `unit`.
+DIST_FILES = {
+    "bench/test_bench_gpu_update.py",
+    "bench/test_bench_rollout.py",
+    "bench/test_bench_step.py",
+    "convert/test_cli_defects.py",
+    "convert/test_convert.py",
+    "models/test_bad_inputs.py",
+    "models/test_fast_build.py",
+    "models/test_layouts.py",
+    "models/test_logprobs.py",
+    "models/test_recompute.py",
+    "models/test_score_parallel.py",
+    "ops/test_gpu_check.py",
+    "ops/test_hotpotqa.py",
+    "ops/test_lint.py",
+    "ops/test_slurm_launch.py",
+    "ops/test_versions.py",
+    "rl/test_rl_distributed.py",
+    "rollout/test_agent_loop.py",
+    "rollout/test_command.py",
+    "rollout/test_vllm_vs_megatron.py",
+    "sync/test_engine_process_env.py",
+    "sync/test_fp8.py",
+    "sync/test_shm_segment.py",
+    "sync/test_sync_failures.py",
+    "sync/test_sync_gpu.py",
+    "sync/test_sync_layouts.py",
+    "sync/test_sync_ray.py",
+    "train/test_cluster.py",
+    "train/test_pipeline_forward.py",
+    "train/test_sft_quickstart.py",
+    "train/test_sft_step.py",
+}
+E2E_FILES = {
+    "convert/test_export_training.py",
+    "gpu/test_gpu_numerics.py",
+    "ops/test_hotpotqa_recipe.py",
+    "train/test_deterministic_resume.py",
+    "train/test_engine_restart.py",
+    "train/test_faults.py",
+    "train/test_faults_resume.py",
+    "train/test_quickstart_slow.py",
+    "train/test_resume.py",
+    "train/test_resume_paths.py",
+    "train/test_train_e2e.py",
+    "train/test_train_layouts.py",
+}
+# Long tests kept out of `make test` and run by `make test-slow` (README, "Tests"), with the
+# seconds each took on the 2-core CI-sized machine. A prefix covers every test it starts.
+SLOW = {
+    "train/test_deterministic_resume.py::test_a_run_killed_in_any_phase": 293,  # 7 trainer runs
+    "models/test_layouts.py": 221,  # 4 models x 5 TP/PP layouts vs HF, training at 3 DP splits
+    "convert/test_export_training.py": 144,
+    "train/test_train_layouts.py": 122,
+    "train/test_resume_paths.py": 108,
+    "convert/test_convert.py": 105,
+    "ops/test_hotpotqa_recipe.py": 63,
+    "train/test_engine_restart.py": 50,
+    "bench/test_bench_rollout.py": 50,
+    "train/test_resume.py::test_altered_checkpoint": 49,
+    "ops/test_slurm_launch.py::test_dead_worker_fails_the_job_fast": 24,
+    "ops/test_slurm_launch.py::test_launch_runs_driver": 22,
+    "models/test_fast_build.py": 43,
+    "bench/test_bench_step.py": 43,
+    "bench/test_bench_gpu_update.py": 10,
+}
+
+
+def tier_of(nodeid: str) -> str:
+    """'unit', 'dist' or 'e2e' for a test id like 'tests/train/test_resume.py::test_x'."""
+    path = nodeid.split("::")[0].removeprefix("tests/")
+    return "e2e" if path in E2E_FILES else "dist" if path in DIST_FILES else "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its tier, and the long ones listed in SLOW as `slow`."""
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item.nodeid)))
+        if any(item.nodeid.removeprefix("tests/").startswith(prefix) for prefix in SLOW):
+            item.add_marker(pytest.mark.slow)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_agent.config import SyncConfig
 from megatron_agent.models.build import resolve_transformer_impl
 from megatron_agent.sync.buckets import BucketHeader, BucketWriter, SyncError, default_algo, units_nbytes
 from megatron_agent.sync.fp8 import fp8_quantizer
@@ -128,7 +129,9 @@ class WeightSender:
     the same list and never use it. `rollout_dtype`: the dtype the engines run in.
     """
 
-    def __init__(self, model, cfg, endpoints: Sequence, rollout_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, model, cfg: SyncConfig, endpoints: Sequence, rollout_dtype: torch.dtype = torch.float32
+    ):
         self.model = model
         self.cfg = cfg
         self.endpoints = list(endpoints)

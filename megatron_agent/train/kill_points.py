@@ -7,7 +7,7 @@ that point in RL step STEP write `<run_dir>/held_PHASE_STEP` and then sleep unti
 - save: Megatron rank 0, while the step's checkpoint is being staged (weights written, the
   manifest and the rename not yet done).
 A drill (tests/train/test_deterministic_resume.py) then kills the whole run with SIGKILL and
-resumes it; in deterministic mode the resumed run must repeat the uninterrupted one bitwise.
+resumes it; in deterministic mode the resumed run must repeat the uninterrupted one (tokens exactly, log-probs within 1e-5).
 """
 
 from __future__ import annotations

@@ -16,8 +16,23 @@ from pathlib import Path
 
 import torch
 
-from megatron_agent.config import RunPlan, config_from_dict
+from megatron_agent.config import Config, RunPlan, config_from_dict
+from megatron_agent.models.build import BuildOptions
 from megatron_agent.train.kill_points import hold_at
+
+
+def build_options(cfg: Config) -> BuildOptions:
+    """How the actor and the reference are built: the parallel layout and the `model` section."""
+    p, m = cfg.parallel, cfg.model
+    return BuildOptions(
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp,
+        dtype=m.dtype,
+        fp8=m.fp8,
+        transformer_impl=m.transformer_impl,
+        recompute=m.recompute,
+    )
 
 
 class MegatronWorker:
@@ -53,7 +68,6 @@ class MegatronWorker:
         the actor and the reference. Returns this rank's parallel info.
         """
         from megatron_agent.build_policy import policy_from_hf
-        from megatron_agent.models.build import BuildOptions
         from megatron_agent.platform.parallel import init_model_parallel
         from megatron_agent.platform.setup import has_cuda
         from megatron_agent.train.actor_update import parallel_info
@@ -70,15 +84,7 @@ class MegatronWorker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
         p = cfg.parallel
         init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.trainer.seed)
-        opts = BuildOptions(
-            tp=p.tp,
-            pp=p.pp,
-            vpp=p.vpp,
-            dtype=cfg.model.dtype,
-            fp8=cfg.model.fp8,
-            transformer_impl=cfg.model.transformer_impl,
-            recompute=cfg.model.recompute,
-        )
+        opts = build_options(cfg)
         self.model_path = model_path
         self.actor = self._new_actor(opts)
         # Without a KL term the reference is never read: it is not built.

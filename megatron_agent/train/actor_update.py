@@ -17,6 +17,7 @@ from megatron_agent.models.forward_backward import forward_backward, make_micro_
 from megatron_agent.rl import GuardBatch, StepGuard, agg_loss, compute_kl_loss, compute_policy_loss
 from megatron_agent.rl.aggregate import global_batch_counts
 from megatron_agent.train.batch import RLBatch, dp_shard
+from megatron_agent.train.update_metrics import accumulate
 
 
 @dataclass
@@ -112,10 +113,7 @@ class PPOUpdate:
         self.captured = {"indices": [], "old": [], "entropy": []}
         for _ in range(self.actor.ppo_epochs):
             for indices in mini_batch_indices:
-                for key, value in self._optimizer_step(batch, indices, step, decode).items():
-                    # guard/* are running totals kept by the guard: keep the latest value.
-                    last_wins = key.startswith("guard/") and key != "guard/skipped"
-                    totals[key] = value if last_wins else totals.get(key, 0.0) + value
+                accumulate(totals, self._optimizer_step(batch, indices, step, decode))  # update_metrics.py
         return totals
 
     def _optimizer_step(self, batch: RLBatch, indices: list[int], step: int, decode) -> dict:

@@ -60,11 +60,18 @@ class RLBatch:
         )
 
 
-def batch_from_trajectories(trajectories: list[Trajectory], pad_id: int = 0) -> RLBatch:
+def batch_from_trajectories(
+    trajectories: list[Trajectory],
+    pad_id: int = 0,
+    *,
+    group_ids: list[str] | None = None,
+    reward_offsets: torch.Tensor | None = None,
+) -> RLBatch:
     """An `RLBatch` of `trajectories`; raises if a loss token lacks a rollout log-prob.
 
-    Uses `build_training_batch`, which enforces the provenance contract (only `sampled` tokens
-    carry loss, each with a finite engine log-prob).
+    `group_ids`: the group of each trajectory (default: its task uid); `reward_offsets` [B]: added
+    to the rewards (e.g. the overlong penalty). Uses `build_training_batch`, which enforces the
+    provenance contract (only `sampled` tokens carry loss, each with a finite engine log-prob).
     """
     tb = build_training_batch(trajectories, pad_id=pad_id)
     lengths = (tb["prompt_lengths_B"] + tb["response_lengths_B"]).tolist()
@@ -74,9 +81,9 @@ def batch_from_trajectories(trajectories: list[Trajectory], pad_id: int = 0) -> 
         raise ValueError(f"trajectory {bad} has no reward; every trajectory must be scored before training")
     batch = RLBatch(
         uids=[t.uid for t in trajectories],
-        group_ids=[t.task_uid for t in trajectories],
+        group_ids=list(group_ids) if group_ids is not None else [t.task_uid for t in trajectories],
         sequences=[t.all_ids for t in trajectories],
-        rewards=rewards,
+        rewards=rewards if reward_offsets is None else rewards + reward_offsets,
     )
     # Token t of a row is predicted by target t - 1: shift the token-aligned tensors left by one.
     batch.tensors["loss_mask"] = [tb["loss_mask_BT"][b, 1:n].clone() for b, n in enumerate(lengths)]

@@ -1,4 +1,5 @@
 """Fault drills: faults injected on purpose through the `debug` config section (docs/faults.md).
+The workers reach them through one seam, `train/drills.py`.
 
 - `nan_logits`: during the PPO update of RL step `debug.nan_logits_step`, the actor's logits at
   one token are NaN: the logits that predict response token `debug.nan_logits_token` of the
@@ -14,14 +15,11 @@
 - `kill_engine_mid_rollout`: at RL step `debug.kill_engine_at_step`, rollout engine 0's process
   kills itself (SIGKILL) in the middle of its rollout; the trainer replaces it
   (`Trainer.rollout`), once per run folder.
-- `state_checksum`: a digest of this rank's weights and optimizer state, to prove that a skipped
-  step changed nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -122,33 +120,6 @@ def _matching_rows(input_ids_BS: torch.Tensor, seq_S: torch.Tensor) -> list[int]
     ids = input_ids_BS.cpu()
     same = (ids[:, :num] == seq_S).all(dim=1) & (ids[:, num:] == 0).all(dim=1)
     return same.nonzero().flatten().tolist()
-
-
-def state_checksum(model) -> str:
-    """sha256 over this rank's parameters and optimizer state (main params, Adam moments, steps)."""
-    from megatron_agent.weights.export import unwrap
-
-    digest = hashlib.sha256()
-
-    def add(name: str, value) -> None:
-        digest.update(name.encode())
-        if torch.is_tensor(value):
-            digest.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        else:
-            digest.update(repr(value).encode())
-
-    for i, chunk in enumerate(model.chunks):
-        for name, param in unwrap(chunk).named_parameters():
-            add(f"chunk{i}.{name}", param)
-    optimizers = getattr(model.optimizer, "chained_optimizers", [model.optimizer])
-    for k, opt in enumerate(optimizers):
-        inner = opt.optimizer
-        for g, group in enumerate(inner.param_groups):
-            for p, param in enumerate(group["params"]):
-                add(f"opt{k}.group{g}.param{p}", param)
-                for key, value in sorted(inner.state.get(param, {}).items()):
-                    add(f"opt{k}.group{g}.param{p}.{key}", value)
-    return digest.hexdigest()
 
 
 def forced_turn_hook(debug, tokenizer):

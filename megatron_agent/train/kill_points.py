@@ -18,12 +18,11 @@ from pathlib import Path
 from megatron_agent.config.schema import KILL_PHASES as PHASES  # noqa: F401 (re-exported)
 
 
-def hold_at(cfg, phase: str, step: int) -> None:
-    """Sleep forever here when `cfg.debug.hold_at` names this phase and step (a no-op otherwise)."""
-    target = getattr(getattr(cfg, "debug", None), "hold_at", "")
+def hold_at(target: str, run_dir: str | Path, phase: str, step: int) -> None:
+    """Sleep forever here when `target` (`debug.hold_at`) is "phase:step" (a no-op otherwise)."""
     if not target or target != f"{phase}:{step}":
         return
-    marker = Path(cfg.trainer.run_dir) / f"held_{phase}_{step}"
+    marker = Path(run_dir) / f"held_{phase}_{step}"
     marker.write_text(f"{phase} of step {step}: waiting to be killed\n")
     while True:
         time.sleep(1.0)

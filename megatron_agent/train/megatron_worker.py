@@ -18,7 +18,7 @@ import torch
 
 from megatron_agent.config import Config, RunPlan, config_from_dict
 from megatron_agent.models.build import BuildOptions
-from megatron_agent.train.kill_points import hold_at
+from megatron_agent.train.drills import DrillPlan, Drills
 
 
 def build_options(cfg: Config) -> BuildOptions:
@@ -45,6 +45,7 @@ class MegatronWorker:
         self.rank, self.world_size = rank, world_size
         self.cfg = config_from_dict(cfg_dict)
         self.plan = RunPlan.from_dict(plan_dict)
+        self.drills = Drills(DrillPlan.from_config(self.cfg))  # no-ops unless debug.* is set
         self.actor = self.ref = self.update = self.sender = None
         self.info = None
 
@@ -183,13 +184,11 @@ class MegatronWorker:
 
     def train(self, batch, mini_batch_indices: list[list[int]], step: int) -> dict | None:
         """The PPO update of one RL step; metric sums on reporting ranks, None elsewhere."""
-        from megatron_agent.train.fault_injection import nan_logits
-
-        with nan_logits(self.actor, self.cfg.debug, batch, step):  # a no-op unless debug.nan_logits_step
+        with self.drills.around_update(self.actor, batch, step):
             sums = self.update.run(batch, mini_batch_indices, step, decode=self._decode)
         sums["actor/lr"] = self.update.current_lr()
         if self.rank == 0:
-            hold_at(self.cfg, "update", step)  # resume drills only (debug.hold_at)
+            self.drills.reached("update", step)
         if self.update.old_from_update:
             sums["captured"] = self.update.captured  # old log-probs and entropy of this forward
         return sums if self.info.reports else None
@@ -289,7 +288,7 @@ class MegatronWorker:
             if self.rank == 0:
                 torch.save(trainer_state(self.update), folder / "worker.pt")
                 (folder / DRIVER_FILE).write_text(json.dumps(driver_state))
-                hold_at(self.cfg, "save", driver_state["step"])  # resume drills only
+                self.drills.reached("save", driver_state["step"])
 
         Path(ckpt_dir).parent.mkdir(parents=True, exist_ok=True)
         self.save_error = ""
@@ -315,12 +314,6 @@ class MegatronWorker:
     def last_save_error(self) -> str:
         """Why this rank's latest `save_state` failed ('' when it did not); answers only when idle."""
         return getattr(self, "save_error", "")
-
-    def state_checksum(self) -> str:
-        """sha256 of this rank's actor weights and optimizer state (fault drills and tests)."""
-        from megatron_agent.train.fault_injection import state_checksum
-
-        return state_checksum(self.actor)
 
     def load_state(self, ckpt_dir: str) -> int:
         """Collective: restore what `save_state` wrote (at any TP x PP layout); returns the step.

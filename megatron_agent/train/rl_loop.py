@@ -1,22 +1,28 @@
-"""The RL loop: one step, top to bottom.
+"""The RL loop: one step as stages, each returning its product, top to bottom.
 
-    prompts -> agent-loop rollouts (rollout.n per prompt; dynamic sampling refills tied groups)
-    -> old log-probs (actor) and reference log-probs -> rewards (overlong penalty, KL in the
-    reward) and advantages -> rollout-vs-trainer mismatch and truncated IS weights
-    -> PPO epochs over mini-batches (the guard before every optimizer step)
-    -> weight sync into the rollout engines (verified) -> metrics and rollout dumps.
+    rollouts      prompts -> agent-loop rollouts (rollout.n per prompt; dynamic sampling
+                  refills tied groups)                                      `collect_rollouts`
+    scored batch  the training batch with its rewards (overlong penalty)    `scored_batch`
+    log-probs     old (actor) and reference log-probs, forward only         `Trainer.logprobs`
+    advantages    KL in the reward, advantages; the rollout IS weights      `advantages`,
+                  when configured (the loss uses them)                      `importance_weights`
+    update        PPO epochs over mini-batches (the guard before every optimizer step)
+                                                                            `Trainer.train`
+    metrics       the rollout-vs-trainer mismatch (always after the update), batch statistics
+    sync          the weights into the rollout engines (verified)           `Trainer.sync`
 
-On-policy steps (one epoch, one mini-batch, no KL in the reward, no IS weights) skip the old
-log-prob pass: the update's own forward provides them (`old_logprobs_from_update`), and the
-mismatch metrics are computed after the update. The reference pass runs only when a KL needs it.
-
-`Trainer` (trainer.py) owns the workers; this file is the algorithm.
+Where old log-probs come from is decided once, in the plan (`RunPlan.old_logprobs_from_update`):
+on-policy steps (one epoch, one mini-batch, no KL in the reward, no IS weights) take them from
+the update's own forward; otherwise the log-prob stage computes them. Only `rl_step` attaches
+the stages' products to the batch. `Trainer` (trainer.py) owns the workers; this file is the
+algorithm.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -40,75 +46,115 @@ def timer(metrics: dict, name: str):
     metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
+@dataclass
+class Rollouts:
+    """The rollout stage's product."""
+
+    trajectories: list
+    """Every kept trajectory, group by group."""
+    group_ids: list[str]
+    """The group of each trajectory."""
+    group_tasks: dict
+    """{group id: its task} (ReMax rolls each out again, greedily)."""
+
+
+@dataclass
+class Advantages:
+    """The advantage stage's product: [B, T] tensors over the batch's targets."""
+
+    adv_BT: torch.Tensor
+    returns_BT: torch.Tensor
+
+
 def rl_step(t: Trainer, step: int) -> dict[str, float]:
     """One RL step; returns its metrics (DESIGN.md names)."""
-    cfg, algo, m = t.cfg, t.cfg.algorithm, {"step": step}
+    algo, m = t.cfg.algorithm, {"step": step}
     with timer(m, "step"):
         with timer(m, "gen"):
-            trajectories, group_ids, group_tasks = collect_rollouts(t, m)
-        m.update(rollout_metrics(trajectories))
+            rollouts = collect_rollouts(t, m)
+        m.update(rollout_metrics(rollouts.trajectories))
         m.update(t.tool_metrics())
         m["rollout/engine_restarts"] = float(t.engine_restarts)  # cumulative over the run
-        batch = batch_from_trajectories(trajectories, pad_id=t.tokenizer.pad_token_id or 0)
-        batch.group_ids = group_ids
-        limits = [cfg.rollout.max_total_tokens - len(tr.prompt_ids) for tr in trajectories]
-        penalty = overlong_penalty(
-            [len(tr.response_ids) for tr in trajectories],
-            min(limits),
-            algo.overlong_buffer_len,
-            algo.overlong_penalty_factor,
-        )
-        batch.rewards = batch.rewards + penalty
+        batch = scored_batch(t, rollouts)
 
-        m.update(t.logprobs(batch))  # old_logp and entropy (unless the update gives them), ref_logp
+        tensors, timings = t.logprobs(batch)  # old_logp, entropy (unless from the update), ref_logp
+        batch.tensors.update(tensors)
+        m.update(timings)
+        mask_BT = batch.padded("loss_mask")
         with timer(m, "adv"):
-            mask_BT = batch.padded("loss_mask")
-            rewards_BT = outcome_token_rewards(batch)
-            if algo.kl_reward_coef:
-                rewards_BT, kl_m = apply_kl_in_reward(
-                    rewards_BT,
-                    batch.padded("old_logp"),
-                    batch.padded("ref_logp"),
-                    mask_BT,
-                    t.kl_ctrl.value,  # algorithm.kl_reward_coef, moved by an adaptive kl_ctrl
-                    estimator=algo.kl_reward_estimator,
-                )
-                m["critic/kl_reward"], m["critic/kl_coef"] = float(kl_m["kl_reward"]), t.kl_ctrl.value
-                t.kl_ctrl.update(m["critic/kl_reward"], len(trajectories))
-            remax = algo.adv_estimator == "remax"
-            adv_BT, returns_BT = compute_advantages(
-                algo.adv_estimator,
-                rewards_BT,
-                mask_BT,
-                group_ids=batch.group_ids,
-                gamma=algo.gamma,
-                norm_by_std=algo.norm_adv_by_std,
-                baseline_rewards_B=greedy_baseline(t, group_ids, group_tasks) if remax else None,
-            )
-            batch.set_padded("advantages", adv_BT)
-            if not t.old_from_update:
-                m.update(mismatch_and_correction(batch, mask_BT, algo))
+            adv = advantages(t, batch, rollouts, mask_BT, m)
+            batch.set_padded("advantages", adv.adv_BT)
+            if algo.rollout_is != "none":  # the plan then recomputes old log-probs before the update
+                w_BT, is_m = importance_weights(batch, mask_BT, algo)
+                batch.set_padded("is_weights", w_BT)
+                m.update(is_m)
 
-        num_mini = t.plan.num_mini_batches
+        num_mini = min(t.plan.num_mini_batches, len(set(batch.group_ids)))
         with timer(m, "update_actor"):
-            m.update(t.train(batch, mini_batches(batch, min(num_mini, len(set(batch.group_ids)))), step))
+            update_m, tensors = t.train(batch, mini_batches(batch, num_mini), step)
+            batch.tensors.update(tensors)  # old_logp, entropy: from the update's forward when on-policy
+            m.update(update_m)
         with timer(m, "adv"):
-            if t.old_from_update:  # old_logp and entropy came back from the update's forward
-                m.update(mismatch_and_correction(batch, mask_BT, algo))
-            m.update(batch_stats(batch, mask_BT, adv_BT, returns_BT))
+            m.update(mismatch(batch, mask_BT, algo))
+            m.update(batch_stats(batch, mask_BT, adv))
         with timer(m, "update_weights"):
             m.update(t.sync())
-        if cfg.trainer.dump_rollouts:
-            write_rollout_dump(t.run_dir, step, trajectories, dump_fields(batch, trajectories))
+        if t.cfg.trainer.dump_rollouts:
+            write_rollout_dump(
+                t.run_dir, step, rollouts.trajectories, dump_fields(batch, rollouts.trajectories)
+            )
     m["perf/throughput"] = sum(len(s) for s in batch.sequences) / m["timing_s/step"]
     return m
 
 
-def collect_rollouts(t: Trainer, m: dict) -> tuple[list, list[str], dict]:
+def scored_batch(t: Trainer, rollouts: Rollouts) -> RLBatch:
+    """The training batch of the rollouts: groups, and rewards with DAPO's overlong penalty."""
+    cfg, algo, trajectories = t.cfg, t.cfg.algorithm, rollouts.trajectories
+    limits = [cfg.rollout.max_total_tokens - len(tr.prompt_ids) for tr in trajectories]
+    penalty = overlong_penalty(
+        [len(tr.response_ids) for tr in trajectories],
+        min(limits),
+        algo.overlong_buffer_len,
+        algo.overlong_penalty_factor,
+    )
+    pad_id = t.tokenizer.pad_token_id or 0
+    return batch_from_trajectories(trajectories, pad_id, group_ids=rollouts.group_ids, reward_offsets=penalty)
+
+
+def advantages(t: Trainer, batch: RLBatch, rollouts: Rollouts, mask_BT: torch.Tensor, m: dict) -> Advantages:
+    """Token rewards (the outcome reward, minus the KL in the reward when configured, whose
+    controller moves here) and the advantages of `algorithm.adv_estimator`."""
+    algo = t.cfg.algorithm
+    rewards_BT = outcome_token_rewards(batch)
+    if algo.kl_reward_coef:
+        rewards_BT, kl_m = apply_kl_in_reward(
+            rewards_BT,
+            batch.padded("old_logp"),
+            batch.padded("ref_logp"),
+            mask_BT,
+            t.kl_ctrl.value,  # algorithm.kl_reward_coef, moved by an adaptive kl_ctrl
+            estimator=algo.kl_reward_estimator,
+        )
+        m["critic/kl_reward"], m["critic/kl_coef"] = float(kl_m["kl_reward"]), t.kl_ctrl.value
+        t.kl_ctrl.update(m["critic/kl_reward"], len(batch))
+    remax = algo.adv_estimator == "remax"
+    adv_BT, returns_BT = compute_advantages(
+        algo.adv_estimator,
+        rewards_BT,
+        mask_BT,
+        group_ids=batch.group_ids,
+        gamma=algo.gamma,
+        norm_by_std=algo.norm_adv_by_std,
+        baseline_rewards_B=greedy_baseline(t, rollouts.group_ids, rollouts.group_tasks) if remax else None,
+    )
+    return Advantages(adv_BT, returns_BT)
+
+
+def collect_rollouts(t: Trainer, m: dict) -> Rollouts:
     """`data.train_batch_size` groups of `rollout.n` trajectories; with dynamic sampling, groups
     whose rewards all tie are dropped and more prompts are drawn, up to `max_num_gen_batches`.
 
-    Returns (trajectories, group id of each, {group id: task})."""
+    Adds `rollout/gen_batches` and `rollout/dropped_groups` to `m`."""
     cfg = t.cfg
     want, kept, group_ids, rounds, dropped, tasks = cfg.data.train_batch_size, [], [], 0, 0, {}
     while len(group_ids) // cfg.rollout.n < want and rounds < max(1, cfg.algorithm.max_num_gen_batches):
@@ -135,7 +181,7 @@ def collect_rollouts(t: Trainer, m: dict) -> tuple[list, list[str], dict]:
             f"dynamic sampling kept no group in {rounds} generation rounds (every group's rewards tied); "
             "raise algorithm.max_num_gen_batches or rollout.n, or turn algorithm.dynamic_sampling off"
         )
-    return kept, group_ids, tasks
+    return Rollouts(kept, group_ids, tasks)
 
 
 def greedy_baseline(t: Trainer, group_ids: list[str], tasks: dict) -> torch.Tensor:
@@ -146,31 +192,33 @@ def greedy_baseline(t: Trainer, group_ids: list[str], tasks: dict) -> torch.Tens
     return torch.tensor([reward_of[g] for g in group_ids], dtype=torch.float32)
 
 
-def mismatch_and_correction(batch: RLBatch, mask_BT, algo) -> dict[str, float]:
-    """Rollout-vs-trainer mismatch metrics (engine vs old log-probs) and, when configured, the
-    truncated IS weights (`is_weights`, set on the batch for the loss)."""
-    rollout_BT, old_BT = batch.padded("rollout_logp"), batch.padded("old_logp")
-    mm = mismatch_metrics(rollout_BT, old_BT, mask_BT, thresholds=algo.mismatch_thresholds)
-    out = {f"mismatch/{k}": float(v) for k, v in mm.items()}
-    if algo.rollout_is != "none":
-        w_BT, is_m = rollout_is_weights(
-            rollout_BT,
-            old_BT,
-            mask_BT,
-            level=algo.rollout_is,
-            cap=algo.rollout_is_cap,
-            mode=algo.rollout_is_mode,
-        )
-        batch.set_padded("is_weights", w_BT)
-        out.update({f"mismatch/{k}": float(v) for k, v in is_m.items()})
-    return out
+def importance_weights(batch: RLBatch, mask_BT, algo) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rollout-vs-trainer IS weights [B, T] of `algorithm.rollout_is` (engine vs old
+    log-probs, capped or masked) and their metrics."""
+    w_BT, is_m = rollout_is_weights(
+        batch.padded("rollout_logp"),
+        batch.padded("old_logp"),
+        mask_BT,
+        level=algo.rollout_is,
+        cap=algo.rollout_is_cap,
+        mode=algo.rollout_is_mode,
+    )
+    return w_BT, {f"mismatch/{k}": float(v) for k, v in is_m.items()}
 
 
-def batch_stats(batch: RLBatch, mask_BT, adv_BT, returns_BT) -> dict[str, float]:
+def mismatch(batch: RLBatch, mask_BT, algo) -> dict[str, float]:
+    """Rollout-vs-trainer mismatch metrics: engine vs old log-probs on the loss tokens."""
+    mm = mismatch_metrics(
+        batch.padded("rollout_logp"), batch.padded("old_logp"), mask_BT, thresholds=algo.mismatch_thresholds
+    )
+    return {f"mismatch/{k}": float(v) for k, v in mm.items()}
+
+
+def batch_stats(batch: RLBatch, mask_BT, advantages: Advantages) -> dict[str, float]:
     """critic/* and actor/entropy statistics over the loss tokens (critic/kl when a reference ran)."""
     mask = mask_BT.bool()
     num = mask.sum().clamp(min=1)
-    adv = adv_BT[mask]
+    adv, returns_BT = advantages.adv_BT[mask], advantages.returns_BT
     entropy_BT = batch.padded("entropy")
     stats = {
         "critic/rewards/mean": float(batch.rewards.mean()),

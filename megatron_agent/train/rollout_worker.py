@@ -12,7 +12,7 @@ import dataclasses
 import os
 
 from megatron_agent.config import RunPlan, config_from_dict
-from megatron_agent.train.kill_points import hold_at
+from megatron_agent.train.drills import DrillPlan, Drills
 
 
 class RolloutWorker:
@@ -28,11 +28,10 @@ class RolloutWorker:
         plan = RunPlan.from_dict(plan_dict)
         run_dir = cfg.trainer.run_dir
         os.environ.setdefault("TMPDIR", run_dir)
-        from megatron_agent.train.fault_injection import engine_logits_processors, forced_turn_hook
-
-        processors = engine_logits_processors(cfg.debug)  # none unless debug.forced_first_turn
+        self.drills = Drills(DrillPlan.from_config(cfg))  # no-ops unless debug.* is set
+        processors = self.drills.engine_logits_processors()
         self.engine = build_engine(cfg, plan.model_path, cache_dir=run_dir, logits_processors=processors)
-        hook = forced_turn_hook(cfg.debug, self.engine.tokenizer)
+        hook = self.drills.turn_hook(self.engine.tokenizer)
         tools = build_toolset(cfg, plan.tools, plan.search_index_dir)
         self.loop = build_agent_loop(cfg, self.engine, tools, turn_hook=hook)
         self.receiver = None
@@ -50,13 +49,10 @@ class RolloutWorker:
         if self.cfg.trainer.deterministic and hasattr(self.engine, "reset_prefix_cache"):
             self.engine.reset_prefix_cache()  # the same (empty) cache whatever ran before
         if not greedy:
-            hold_at(self.cfg, "rollout", self.step)
-        from megatron_agent.train.fault_injection import kill_engine_mid_rollout
-
-        run_dir = self.cfg.trainer.run_dir
+            self.drills.reached("rollout", self.step)
         try:
-            with kill_engine_mid_rollout(self.cfg.debug, self.engine, run_dir, self.rank, greedy):
-                return self.loop.run(tasks, n)  # the drill is a no-op unless debug.kill_engine_at_step
+            with self.drills.around_rollout(self.engine, self.rank, greedy):
+                return self.loop.run(tasks, n)
         finally:
             self.loop.config = base
 

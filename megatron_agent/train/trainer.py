@@ -22,6 +22,7 @@ from megatron_agent.rl.kl_controller import make_kl_controller
 from megatron_agent.train.batch import RLBatch
 from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup
 from megatron_agent.train.run_log import progress
+from megatron_agent.train.update_metrics import combine_replicas
 
 logger = logging.getLogger("megatron_agent.train")
 
@@ -129,9 +130,10 @@ class Trainer:
         return len(self._chat.prompt_ids(task.messages, self._toolset.schemas(task.tools)))
 
     # ----------------------------------------------------------------------------- workers
-    def start(self, engines: bool = True) -> None:
+    def start(self, engines: bool = True, actor_cls: type | None = None) -> None:
         """Start the Megatron world and (unless `engines=False`) the rollout engines on the Ray
-        cluster of this process (started by the run's owner)."""
+        cluster of this process (started by the run's owner). `actor_cls`: a subclass of
+        `MegatronWorker` for the ranks (tests add their RPCs that way)."""
         import ray
 
         from megatron_agent.rollout.engine import engine_process_env
@@ -148,7 +150,7 @@ class Trainer:
         timeout = cfg.trainer.worker_timeout_s
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))} if not on_gpu else {}
         self.actors = WorkerGroup(
-            MegatronWorker,
+            actor_cls or MegatronWorker,
             world,
             name="megatron",
             log_dir=log_dir,
@@ -286,24 +288,31 @@ class Trainer:
                 merged["tool/sandboxed"] = min(merged.get("tool/sandboxed", 1.0), m["tool/sandboxed"])
         return merged
 
-    def logprobs(self, batch: RLBatch) -> dict[str, float]:
-        """Forward-only passes before the update: fill `old_logp` and `entropy` (actor) unless the
-        update provides them (`old_logprobs_from_update`), and `ref_logp` when a KL needs it."""
+    def logprobs(self, batch: RLBatch) -> tuple[dict[str, list], dict[str, float]]:
+        """Forward-only passes before the update: `old_logp` and `entropy` (actor) unless the
+        update provides them (`RunPlan.old_logprobs_from_update`), and `ref_logp` when a KL needs
+        it. Returns ({tensor name: per-sequence rows}, timings); the batch is not changed."""
         with_old, with_ref = not self.old_from_update, self.uses_reference
         if not (with_old or with_ref):
-            return {}
+            return {}, {}
         calls = self.actors.call("logprobs", batch.sequences, with_old, with_ref)
         results = [r for r in calls if r is not None]
-        for key, name in (("old", "old_logp"), ("ref", "ref_logp"), ("entropy", "entropy")):
-            if results[0][key] is not None:
-                fill_rows(batch, name, [(r["indices"], r[key]) for r in results])
+        tensors = {
+            name: gather_rows(batch, name, [(r["indices"], r[key]) for r in results])
+            for key, name in (("old", "old_logp"), ("ref", "ref_logp"), ("entropy", "entropy"))
+            if results[0][key] is not None
+        }
         names = [
             k for k, wanted in (("timing_s/old_log_prob", with_old), ("timing_s/ref", with_ref)) if wanted
         ]
-        return {k: max(r[k] for r in results) for k in names}
+        return tensors, {k: max(r[k] for r in results) for k in names}
 
-    def train(self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int) -> dict[str, float]:
-        """The PPO update; metrics combined over the data-parallel replicas."""
+    def train(
+        self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int
+    ) -> tuple[dict[str, float], dict[str, list]]:
+        """The PPO update. Returns (its metrics combined over the data-parallel replicas by the
+        table of `update_metrics.py`, {tensor name: rows} of the old log-probs and entropy when
+        they came from the update's forward, else {})."""
         import ray
 
         ref = ray.put(batch)  # one copy in the object store, read by every rank
@@ -311,25 +320,13 @@ class Trainer:
         with progress("update", total=num_updates, enabled=self.cfg.logging.progress_bars, unit="opt") as bar:
             results = [r for r in self.actors.call("train", ref, mini_batch_indices, step) if r is not None]
             bar.update(num_updates)
-        num_steps = results[0]["n_optimizer_steps"]
-        tokens = sum(r.get("n_tokens", 0.0) for r in results)
-        metrics = {
-            "actor/pg_loss": sum(r.get("actor/pg_loss", 0.0) for r in results) / num_steps,
-            "actor/grad_norm": results[0]["actor/grad_norm"] / num_steps,
-            "actor/lr": results[0]["actor/lr"],
-            "actor/pg_clipfrac": sum(r.get("actor/pg_clipfrac", 0.0) for r in results) / max(tokens, 1.0),
-            "actor/ppo_kl": sum(r.get("actor/ppo_kl", 0.0) for r in results) / max(tokens, 1.0),
-            "guard/skipped": results[0]["guard/skipped"],
+        captured = [r.pop("captured") for r in results if "captured" in r]
+        tensors = {
+            name: gather_rows(batch, name, [(c["indices"], c[key]) for c in captured])
+            for key, name in (("old", "old_logp"), ("entropy", "entropy"))
+            if captured
         }
-        if "actor/kl_loss" in results[0]:
-            metrics["actor/kl_loss"] = sum(r["actor/kl_loss"] for r in results) / num_steps
-        if "captured" in results[0]:  # old log-probs and entropy from the update's forward
-            for key, name in (("old", "old_logp"), ("entropy", "entropy")):
-                fill_rows(batch, name, [(r["captured"]["indices"], r["captured"][key]) for r in results])
-        metrics.update(
-            {k: v for k, v in results[0].items() if k.startswith("guard/") and k != "guard/skipped"}
-        )
-        return metrics
+        return combine_replicas(results), tensors
 
     def sync(self) -> dict[str, float]:
         """Push the actor's weights into every engine, verified (collective over the Megatron world)."""
@@ -338,9 +335,9 @@ class Trainer:
         return metrics
 
 
-def fill_rows(batch: RLBatch, name: str, parts: list[tuple[list[int], list]]) -> None:
-    """Set `batch.tensors[name]` from (indices, per-sequence tensors) pairs of the replicas; every
-    sequence must be covered."""
+def gather_rows(batch: RLBatch, name: str, parts: list[tuple[list[int], list]]) -> list:
+    """One row per sequence of `batch` from the replicas' (indices, per-sequence tensors) pairs;
+    every sequence must be covered."""
     rows: list = [None] * len(batch)
     for indices, tensors in parts:
         for i, t in zip(indices, tensors):
@@ -348,4 +345,4 @@ def fill_rows(batch: RLBatch, name: str, parts: list[tuple[list[int], list]]) ->
     missing = [batch.uids[i] for i, r in enumerate(rows) if r is None]
     if missing:
         raise RuntimeError(f"no {name} came back for {len(missing)} sequences (first: {missing[0]})")
-    batch.tensors[name] = rows
+    return rows

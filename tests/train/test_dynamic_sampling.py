@@ -43,7 +43,8 @@ def test_tied_groups_are_dropped_and_refilled():
         _cfg(**{"algorithm.dynamic_sampling": "true"}), lambda uid, k: k * (int(uid[1:]) % 2)
     )
     metrics = {}
-    trajectories, group_ids, tasks = collect_rollouts(t, metrics)
+    r = collect_rollouts(t, metrics)
+    trajectories, group_ids, tasks = r.trajectories, r.group_ids, r.group_tasks
     # Each round draws only as many prompts as groups are still missing.
     assert t.calls == [["t0", "t1", "t2", "t3"], ["t4", "t5"], ["t6"], ["t7"]]
     assert [tr.task_uid for tr in trajectories] == ["t1", "t1", "t3", "t3", "t5", "t5", "t7", "t7"]
@@ -53,7 +54,8 @@ def test_tied_groups_are_dropped_and_refilled():
 
 def test_without_dynamic_sampling_ties_are_kept():
     t = ScriptedRollouts(_cfg(), lambda uid, k: 0.0)
-    trajectories, group_ids, _ = collect_rollouts(t, {})
+    r = collect_rollouts(t, {})
+    trajectories = r.trajectories
     assert len(trajectories) == 8 and len(t.calls) == 1
 
 

@@ -87,6 +87,7 @@ def drill(tmp_path_factory, request, repo_on_pythonpath):
     from megatron_agent.train.rl_loop import rl_step
     from megatron_agent.train.run_log import RunLogger
     from megatron_agent.train.trainer import Trainer
+    from tests.train.checked_worker import CheckedMegatronWorker
 
     root = tmp_path_factory.mktemp("faults")
     run_dir, save_dir = root / "run", root / "ckpt"
@@ -109,7 +110,7 @@ def drill(tmp_path_factory, request, repo_on_pythonpath):
     run_log = RunLogger(run_dir, cfg.logging, config_dict=config_to_dict(cfg))
     with ray_cluster(cfg.ray.address, cfg.ray.num_cpus):
         try:
-            t.start()
+            t.start(actor_cls=CheckedMegatronWorker)
             t.make_update(3)
             t.sync()
             run_log.log(0, {})

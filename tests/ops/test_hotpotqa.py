@@ -77,5 +77,5 @@ def test_recipe_configs_carry_the_field_settings():
     pp = load_config(RECIPE / "reinforce_pp.yaml", validate=False)
     assert pp.algorithm.adv_estimator == "reinforce_plus_plus"
     assert load_config(RECIPE / "grpo_multinode.yaml", validate=False).ray.address == "auto"
-    tiny = load_config(RECIPE / "tiny.yaml")
+    tiny = load_config(RECIPE / "tiny.yaml", validate=False)  # its data is made by the recipe script
     assert tiny.model.path == "" and tiny.trainer.total_steps == 2

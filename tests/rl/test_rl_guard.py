@@ -230,3 +230,15 @@ def test_from_config(tmp_path):
     guard.observe(_seed_batch(mask_culprit=False))
     with pytest.raises(GuardError):
         guard.check(0)
+
+
+def test_guard_disabled_by_config_checks_nothing(tmp_path):
+    from megatron_agent.config import load_config
+
+    cfg = load_config(None, ["algorithm.guard_enabled=false", "algorithm.guard_max_consecutive_skips=0"])
+    guard = StepGuard.from_config(cfg.algorithm, tmp_path)
+    guard.console = False
+    guard.observe(_seed_batch(mask_culprit=False))  # would breach: see test_from_config
+    d = guard.check(0, loss=torch.tensor(float("nan")))
+    assert not d.skip and d.reasons == [] and d.metrics == {"guard/skipped": 0.0}
+    assert not (tmp_path / "guard").exists()  # no culprit report either

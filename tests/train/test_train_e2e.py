@@ -3,7 +3,9 @@
 `python -m megatron_agent train` with the quickstart config at tiny sizes (SFT, then GRPO) on two
 data-parallel ranks: finite metrics, every sync verified, rollout dumps whose provenance, masks
 and log-probs agree. The step is on-policy (one mini-batch) and uses no KL, so the old log-probs
-come from the update's own forward and no reference pass runs.
+come from the update's own forward and no reference pass runs. The run is deterministic
+(`trainer.deterministic=true`): its metrics follow a committed golden curve
+(`tests/golden/quickstart_e2e.json`) within a tolerance.
 Then one driver session per parallel layout (TP2, PP2, DP2) and every advantage estimator.
 """
 
@@ -29,6 +31,7 @@ TINY = [
     "data.num_synthetic_val_tasks=4",
     "trainer.total_steps=2",
     "trainer.test_freq=1",
+    "trainer.deterministic=true",  # the same curve at every run: checked against the golden one
 ]
 
 
@@ -115,3 +118,58 @@ def test_bad_config_is_named_before_any_worker_starts(tmp_path):
     assert proc.returncode == 2 and "debug.hold_at='rollot:2': write PHASE:STEP" in proc.stderr
     proc = _run_train(tmp_path / "bad3", "model.path=/nonexistent/model", timeout=120)
     assert proc.returncode == 2 and "model.path='/nonexistent/model' is not an HF model folder" in proc.stderr
+
+
+GOLDEN = REPO / "tests" / "golden" / "quickstart_e2e.json"
+GOLDEN_KEYS = (
+    "sft/loss",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "critic/score/mean",
+    "critic/advantages/max",
+    "response_length/mean",
+    "rollout/num_trajectories",
+    "val/accuracy",
+    "val/score/mean",
+    "mismatch/max_abs_diff",
+)
+# Tokens and rewards repeat exactly in deterministic mode on one machine; log-prob and gradient
+# quantities moved at the 1e-6 level between CI runs (docs/resume.md). The tolerance leaves room
+# for that and for another CPU's kernels, and still catches a changed loss, schedule or sampler.
+GOLDEN_TOL = dict(rel=2e-2, abs=1e-3)
+
+
+def golden_curve(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """{step: {key: value}} of the GOLDEN_KEYS a run logged."""
+    return {str(r["step"]): {k: r[k] for k in GOLDEN_KEYS if k in r} for r in rows}
+
+
+def assert_follows_golden(curve: dict, golden: dict) -> None:
+    """Same steps and keys as the golden curve, every value within GOLDEN_TOL."""
+    assert sorted(curve) == sorted(golden), (sorted(curve), sorted(golden))
+    for step, want in golden.items():
+        got = curve[step]
+        assert sorted(got) == sorted(want), step
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, **GOLDEN_TOL), (step, key, got[key], value)
+
+
+def test_metrics_follow_the_golden_curve(quickstart_run):
+    """After an intended change of the numerics, regenerate the curve with
+    `MEGATRON_AGENT_UPDATE_GOLDEN=1 pytest tests/train/test_train_e2e.py -k golden` and commit it."""
+    run_dir, _ = quickstart_run
+    curve = golden_curve([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+    if os.environ.get("MEGATRON_AGENT_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(curve, indent=1, sort_keys=True) + "\n")
+    assert_follows_golden(curve, json.loads(GOLDEN.read_text()))
+
+
+def test_the_golden_check_catches_a_moved_loss():
+    golden = {"1": {"actor/pg_loss": 0.5, "rollout/num_trajectories": 4.0}}
+    assert_follows_golden({"1": {"actor/pg_loss": 0.5001, "rollout/num_trajectories": 4.0}}, golden)
+    with pytest.raises(AssertionError):
+        assert_follows_golden({"1": {"actor/pg_loss": 0.55, "rollout/num_trajectories": 4.0}}, golden)
+    with pytest.raises(AssertionError):
+        assert_follows_golden({"1": {"actor/pg_loss": 0.5}}, golden)

@@ -69,13 +69,13 @@ def ratios_of(row: dict) -> tuple[float, float]:
 
 
 def time_logprobs_call(trainer) -> None:
-    """Record the driver-side wall time of `trainer.logprobs` in its returned metrics."""
+    """Record the driver-side wall time of `trainer.logprobs` in the timings it returns."""
     inner = trainer.logprobs
 
     def timed(batch):
         start = time.perf_counter()
-        metrics = inner(batch)
-        return {**metrics, "bench/logprobs_call_s": time.perf_counter() - start}
+        tensors, timings = inner(batch)
+        return tensors, {**timings, "bench/logprobs_call_s": time.perf_counter() - start}
 
     trainer.logprobs = timed
 

@@ -158,20 +158,18 @@ E2E_FILES = {
     "train/test_train_layouts.py",
 }
 # Long tests kept out of `make test` and run by `make test-slow` (README, "Tests"), with the
-# seconds each took in `make test` on a 2-core machine before the move (while other jobs ran
-# beside it: alone, about 0.6x). A prefix covers every test it starts.
+# seconds each takes alone on a 2-core machine. A prefix covers every test it starts.
 SLOW = {
-    "train/test_deterministic_resume.py::test_a_run_killed_in_any_phase": 293,  # 7 trainer runs
-    "convert/test_export_training.py": 144,
-    "train/test_train_layouts.py": 122,
-    "train/test_resume_paths.py": 108,
-    "convert/test_convert.py": 105,
-    "ops/test_hotpotqa_recipe.py": 63,
-    "train/test_engine_restart.py": 50,
-    "bench/test_bench_rollout.py": 50,
-    "models/test_fast_build.py": 43,
-    "bench/test_bench_step.py": 43,
-    "bench/test_bench_gpu_update.py": 10,
+    "train/test_deterministic_resume.py::test_a_run_killed_in_any_phase": 236,  # 7 trainer runs
+    "train/test_resume_paths.py": 77,
+    "convert/test_export_training.py": 73,
+    "convert/test_convert.py": 63,
+    "bench/test_bench_rollout.py": 20,
+    "bench/test_bench_step.py": 31,
+    "bench/test_bench_gpu_update.py": 6,
+    "train/test_engine_restart.py": 54,
+    "ops/test_hotpotqa_recipe.py": 38,
+    "models/test_fast_build.py": 25,
 }
 
 

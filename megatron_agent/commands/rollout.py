@@ -36,28 +36,29 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _tasks(cfg, run_dir: Path):
-    """Tasks to roll out, and the number of bad rows skipped."""
+    """(tasks to roll out, bad rows skipped, tool names, search index dir); the config is not changed."""
     from megatron_agent.data import synthetic
     from megatron_agent.data.tasks import load_tasks
 
+    tools, index_dir = list(cfg.tools.enabled), cfg.tools.search_index_dir
     path = cfg.data.val_path or cfg.data.train_path
     if path:
         tasks, num_skipped = load_tasks(path)
         if not tasks:
             raise ValueError(f"{path}: no valid task rows ({num_skipped} skipped)")
-        return tasks, num_skipped
+        return tasks, num_skipped, tools, index_dir
     if cfg.data.synthetic == "arithmetic":
-        return synthetic.arithmetic_tasks(cfg.data.num_synthetic_tasks, seed=cfg.data.seed), 0
-    if cfg.data.synthetic == "multihop":
-        tasks, _, index_dir = synthetic.multihop_tasks(
-            run_dir / "synthetic", cfg.data.num_synthetic_tasks, cfg.data.seed
+        return (
+            synthetic.arithmetic_tasks(cfg.data.num_synthetic_tasks, seed=cfg.data.seed),
+            0,
+            tools,
+            index_dir,
         )
-        if not cfg.tools.search_index_dir:
-            cfg.tools.search_index_dir = str(index_dir)
-        if "search" not in cfg.tools.enabled:
-            cfg.tools.enabled = [*cfg.tools.enabled, "search"]
-        return tasks, 0
-    raise ValueError(f"data.synthetic={cfg.data.synthetic!r}: choose arithmetic or multihop")
+    # multihop: a corpus, its search index and questions; the search tool on that index
+    tasks, _, made = synthetic.multihop_tasks(
+        run_dir / "synthetic", cfg.data.num_synthetic_tasks, cfg.data.seed
+    )
+    return tasks, 0, tools if "search" in tools else [*tools, "search"], index_dir or str(made)
 
 
 def _summary(metrics: dict, seconds: float) -> str:
@@ -101,7 +102,7 @@ def main(argv: list[str]) -> int:
     from megatron_agent.rollout.factory import build_agent_loop, build_engine, build_toolset
 
     try:
-        tasks, num_skipped = _tasks(cfg, run_dir)
+        tasks, num_skipped, tool_names, index_dir = _tasks(cfg, run_dir)
         model_path = cfg.model.path
         if not model_path:
             from megatron_agent.models.tiny import make_tiny_model
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> int:
             logger.info(
                 "model.path is empty: using a tiny random %s model in %s", cfg.model.tiny_family, model_path
             )
-        tools = build_toolset(cfg)
+        tools = build_toolset(cfg, tool_names, index_dir)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

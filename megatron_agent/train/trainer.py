@@ -1,4 +1,4 @@
-"""The driver's view of a run: config checks, tasks, the Ray worker groups, and calls on them.
+"""The driver's view of a run: the base model, the tasks, the Ray worker groups, and calls on them.
 
 `Trainer(cfg, plan)` takes a validated config and its plan (`megatron_agent.config`), makes the
 base model when needed and loads the tasks (bad data is an error before any worker starts);

@@ -160,7 +160,7 @@ E2E_FILES = {
 # Long tests kept out of `make test` and run by `make test-slow` (README, "Tests"), with the
 # seconds each takes alone on a 2-core machine. A prefix covers every test it starts.
 SLOW = {
-    "train/test_deterministic_resume.py::test_a_run_killed_in_any_phase": 236,  # 7 trainer runs
+    "train/test_deterministic_resume.py::test_a_run_killed": 137,  # 5 trainer launches
     "train/test_resume_paths.py": 77,
     "convert/test_export_training.py": 73,
     "convert/test_convert.py": 63,

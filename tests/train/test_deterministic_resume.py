@@ -5,7 +5,8 @@ the uninterrupted run: tokens and rewards exactly, log-prob and gradient quantit
 an empty prefix cache at each rollout. `debug.hold_at=PHASE:2` holds the run in that phase of
 step 2; the test kills the whole process group with SIGKILL there (what a node failure or
 `scancel --signal=KILL` does), then resumes with `trainer.resume=auto` from the step-1
-checkpoint. Every metric that is not a wall-clock time, and every rollout dump, must equal the
+checkpoint, in one run folder: killed in the rollout, then in the update, then in the save, then
+resumed to the end. Every metric that is not a wall-clock time, and every rollout dump, must equal the
 uninterrupted run's (step 1, from before the kill, checks that two runs agree at all).
 """
 
@@ -119,12 +120,14 @@ def uninterrupted(tmp_path_factory):
     return _comparable(run_dir)
 
 
-@pytest.mark.parametrize("phase", ["rollout", "update", "save"])
-def test_a_run_killed_in_any_phase_resumes_like_the_uninterrupted_run(uninterrupted, tmp_path, phase):
-    run_dir = tmp_path / f"killed_in_{phase}"
+PHASES = ("rollout", "update", "save")
+
+
+def _kill_when_held(run_dir, phase, *overrides):
+    """Start a run that holds in `phase` of step 2, then SIGKILL its whole process group there."""
     marker = run_dir / f"held_{phase}_2"
     proc = subprocess.Popen(
-        _cmd(run_dir, f"debug.hold_at={phase}:2"),
+        _cmd(run_dir, f"debug.hold_at={phase}:2", *overrides),
         cwd=REPO,
         env=_env(),
         stdout=subprocess.DEVNULL,
@@ -140,7 +143,18 @@ def test_a_run_killed_in_any_phase_resumes_like_the_uninterrupted_run(uninterrup
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert not (run_dir / "checkpoints" / "step_000002" / "manifest.json").exists()
+    marker.unlink()
+    assert not (run_dir / "checkpoints" / "step_000002" / "manifest.json").exists(), phase
+
+
+def test_a_run_killed_in_every_phase_in_turn_resumes_like_the_uninterrupted_run(uninterrupted, tmp_path):
+    # One run folder: killed in the rollout of step 2, resumed from step 1 and killed in its
+    # update, resumed and killed while its checkpoint is staged, then resumed to the end (4
+    # launches instead of a fresh run per phase). Each resume starts at step 2 again.
+    run_dir = tmp_path / "killed"
+    _kill_when_held(run_dir, PHASES[0])
+    for phase in PHASES[1:]:
+        _kill_when_held(run_dir, phase, "trainer.resume=auto")
     out = _train(run_dir, "trainer.resume=auto").stdout
     assert "continuing at step 2" in out, out[-2000:]
     metrics, dumps = _comparable(run_dir)

@@ -32,6 +32,7 @@ def build_options(cfg: Config) -> BuildOptions:
         fp8=m.fp8,
         transformer_impl=m.transformer_impl,
         recompute=m.recompute,
+        sequence_parallel=p.sequence_parallel,  # refused at load for now (config/validate.py)
     )
 
 

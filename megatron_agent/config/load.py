@@ -141,7 +141,6 @@ def load_config(
     import yaml
 
     cfg = Config()
-    data: dict = {}
     if path:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
@@ -152,10 +151,6 @@ def load_config(
         _apply_mapping(cfg, data)
     for override in overrides:
         apply_override(cfg, override)
-    given = {o.split("=", 1)[0].strip() for o in overrides}
-    if cfg.rollout.quantization == "fp8" and "algorithm.rollout_is" not in given:
-        if "rollout_is" not in (data.get("algorithm") or {}):
-            cfg.algorithm.rollout_is = "token"  # FP8 rollout: truncated IS on unless set explicitly
     if validate:
         from megatron_agent.config.validate import validate_config
 

@@ -26,6 +26,9 @@ class RunPlan:
     """The tiny model the run makes at `model_path` when `model.path` is empty ('' otherwise)."""
     uses_reference: bool
     """A frozen reference model is built and its log-probs computed (a KL term or the KL guard)."""
+    rollout_is: str
+    """The rollout IS weights the loss uses: 'none', 'token' or 'sequence' (`algorithm.rollout_is`,
+    'auto' resolved: 'token' with an FP8 rollout, else 'none')."""
     old_logprobs_from_update: bool
     """Old log-probs come from the update's own forward (else from a forward-only pass before it)."""
     num_mini_batches: int
@@ -62,6 +65,15 @@ def num_mini_batches(cfg: Config) -> int:
     return cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
 
 
+def rollout_is(cfg: Config) -> str:
+    """`algorithm.rollout_is` with 'auto' resolved: truncated token-level IS for an FP8 rollout
+    (its log-probs differ from the BF16 trainer's), none otherwise."""
+    mode = cfg.algorithm.rollout_is
+    if mode == "auto":
+        return "token" if cfg.rollout.quantization == "fp8" else "none"
+    return mode
+
+
 def old_logprobs_from_update(cfg: Config) -> bool:
     """True when the old log-probs are taken from the update's own forward (`actor.old_logprobs`).
 
@@ -76,7 +88,7 @@ def old_logprobs_from_update(cfg: Config) -> bool:
         and a.ppo_epochs == 1
         and num_mini_batches(cfg) == 1
         and not algo.kl_reward_coef
-        and algo.rollout_is == "none"
+        and rollout_is(cfg) == "none"
     )
 
 
@@ -99,6 +111,7 @@ def make_plan(cfg: Config) -> RunPlan:
         model_path=cfg.model.path or str(run_dir / "base_model"),
         tiny_family="" if cfg.model.path else cfg.model.tiny_family,
         uses_reference=uses_reference(cfg),
+        rollout_is=rollout_is(cfg),
         old_logprobs_from_update=old_logprobs_from_update(cfg),
         num_mini_batches=num_mini_batches(cfg),
         total_optimizer_steps=cfg.trainer.total_steps * cfg.actor.ppo_epochs * num_mini_batches(cfg),

@@ -100,7 +100,7 @@ class RolloutConfig:
     """Seed of the rollout engine's sampler."""
     quantization: Literal["", "fp8"] = ""
     """'' (serve the actor's dtype) or 'fp8': vLLM serves FP8 weights quantized from the BF16 actor
-    at every sync (GPU only; turns algorithm.rollout_is on unless it is set; see rollout/fp8.py)."""
+    at every sync (GPU only; algorithm.rollout_is=auto then means 'token'; see rollout/fp8.py)."""
     fp8_scales: Literal["tensor", "block128"] = "tensor"
     """rollout.quantization=fp8: 'tensor' (one scale per weight) or 'block128' (per 128x128 tile)."""
 
@@ -149,8 +149,9 @@ class AlgorithmConfig:
     """Adaptive KL controller: target mean per-token KL."""
     kl_horizon: int = 10000
     """Adaptive KL controller: horizon (in samples) of the proportional update."""
-    rollout_is: Literal["none", "token", "sequence"] = "none"
-    """Rollout-vs-trainer importance weights in the policy loss: 'none', 'token' or 'sequence'."""
+    rollout_is: Literal["auto", "none", "token", "sequence"] = "auto"
+    """Rollout-vs-trainer importance weights in the policy loss: 'none', 'token' or 'sequence';
+    'auto': 'token' with an FP8 rollout (rollout.quantization=fp8), else 'none' (`RunPlan.rollout_is`)."""
     rollout_is_cap: float = 2.0
     """Cap of the rollout importance weights."""
     rollout_is_mode: Literal["truncate", "mask"] = "truncate"

@@ -84,8 +84,8 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
         with timer(m, "adv"):
             adv = advantages(t, batch, rollouts, mask_BT, m)
             batch.set_padded("advantages", adv.adv_BT)
-            if algo.rollout_is != "none":  # the plan then recomputes old log-probs before the update
-                w_BT, is_m = importance_weights(batch, mask_BT, algo)
+            if t.plan.rollout_is != "none":  # then the log-prob stage computed old log-probs
+                w_BT, is_m = importance_weights(batch, mask_BT, algo, t.plan.rollout_is)
                 batch.set_padded("is_weights", w_BT)
                 m.update(is_m)
 
@@ -192,14 +192,14 @@ def greedy_baseline(t: Trainer, group_ids: list[str], tasks: dict) -> torch.Tens
     return torch.tensor([reward_of[g] for g in group_ids], dtype=torch.float32)
 
 
-def importance_weights(batch: RLBatch, mask_BT, algo) -> tuple[torch.Tensor, dict[str, float]]:
-    """The rollout-vs-trainer IS weights [B, T] of `algorithm.rollout_is` (engine vs old
-    log-probs, capped or masked) and their metrics."""
+def importance_weights(batch: RLBatch, mask_BT, algo, level: str) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rollout-vs-trainer IS weights [B, T] at `level` ('token' or 'sequence':
+    `RunPlan.rollout_is`; engine vs old log-probs, capped or masked) and their metrics."""
     w_BT, is_m = rollout_is_weights(
         batch.padded("rollout_logp"),
         batch.padded("old_logp"),
         mask_BT,
-        level=algo.rollout_is,
+        level=level,
         cap=algo.rollout_is_cap,
         mode=algo.rollout_is_mode,
     )

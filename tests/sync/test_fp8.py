@@ -213,12 +213,14 @@ def test_fp8_rollout_without_a_gpu_is_an_error_naming_it(tiny_models, tmp_path):
 
 
 def test_fp8_rollout_turns_truncated_is_on_unless_set(tmp_path):
-    from megatron_agent.config import load_config
+    from megatron_agent.config import load_config, make_plan
 
-    assert load_config(None, []).algorithm.rollout_is == "none"
-    assert load_config(None, ["rollout.quantization=fp8"], validate=False).algorithm.rollout_is == "token"
-    off = load_config(None, ["rollout.quantization=fp8", "algorithm.rollout_is=none"], validate=False)
-    assert off.algorithm.rollout_is == "none"
+    def level(*overrides, path=None):  # the derived value lives in the run's plan
+        return make_plan(load_config(path, list(overrides), validate=False)).rollout_is
+
+    assert level() == "none"
+    assert level("rollout.quantization=fp8") == "token"
+    assert level("rollout.quantization=fp8", "algorithm.rollout_is=none") == "none"
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("rollout:\n  quantization: fp8\nalgorithm:\n  rollout_is: sequence\n")
-    assert load_config(yaml_file, validate=False).algorithm.rollout_is == "sequence"
+    assert level(path=yaml_file) == "sequence"

@@ -92,6 +92,11 @@ def old_logprobs_from_update(cfg: Config) -> bool:
     )
 
 
+def checkpoint_root(cfg: Config) -> Path:
+    """Where checkpoints go: `checkpoint.save_dir`, or `<trainer.run_dir>/checkpoints`."""
+    return Path(cfg.checkpoint.save_dir or Path(cfg.trainer.run_dir) / "checkpoints")
+
+
 def make_plan(cfg: Config) -> RunPlan:
     """The plan of a validated config (no side effects: folders and models are made by the run)."""
     run_dir = Path(cfg.trainer.run_dir)
@@ -118,5 +123,5 @@ def make_plan(cfg: Config) -> RunPlan:
         tools=tools,
         search_index_dir=index_dir,
         synthetic_dirs=synthetic_dirs,
-        checkpoint_root=str(cfg.checkpoint.save_dir or run_dir / "checkpoints"),
+        checkpoint_root=str(checkpoint_root(cfg)),
     )

@@ -31,17 +31,13 @@ import shutil
 from pathlib import Path
 
 from megatron_agent.checkpoint.manifest import CheckpointIntegrityError, verify_manifest
+from megatron_agent.config.plan import checkpoint_root
 
 logger = logging.getLogger("megatron_agent.train")
 
 STATE_DIR = "trainer"
 DRIVER_FILE = "driver.json"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
-
-
-def checkpoint_root(cfg) -> Path:
-    """`checkpoint.save_dir`, or `<trainer.run_dir>/checkpoints`."""
-    return Path(cfg.checkpoint.save_dir or Path(cfg.trainer.run_dir) / "checkpoints")
 
 
 def step_dir(root: str | Path, step: int) -> Path:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megatron_agent.train.cluster import WorkerError, WorkerGroup, start_ray, stop_ray
+from megatron_agent.train.cluster import WorkerError, WorkerGroup
 
 
 class Flaky:
@@ -29,10 +29,9 @@ class Flaky:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    start_ray(num_cpus=2)
+def ray_cluster(ray_session):
+    """The session's Ray cluster (tests/conftest.py)."""
     yield
-    stop_ray()
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,31 @@ def test_the_golden_check_catches_a_moved_loss():
         assert_follows_golden({"1": {"actor/pg_loss": 0.55, "rollout/num_trajectories": 4.0}}, golden)
     with pytest.raises(AssertionError):
         assert_follows_golden({"1": {"actor/pg_loss": 0.5}}, golden)
+
+
+def test_sft_command_writes_the_checkpoint_that_train_starts_from(tmp_path):
+    run_dir = tmp_path / "sft_only"
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_agent",
+        "sft",
+        "--config",
+        "examples/quickstart/config.yaml",
+        f"trainer.run_dir={run_dir}",
+        "sft.steps=2",
+        "sft.num_synthetic=32",
+        "sft.batch_size=8",
+        "logging.plot=false",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    ckpt = run_dir / "sft" / "checkpoint"
+    assert f"trainer.init_from={ckpt}" in proc.stdout
+    assert json.loads((ckpt / "meta.json").read_text())["sft_steps"] == 2
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [-2, -1]
+    assert not list((run_dir / "logs").glob("rollout_*.log"))  # SFT alone starts no engine
+    proc = subprocess.run(cmd[:4] + ["sft.steps=0"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "sft.steps must be >= 1" in proc.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_agent.config.schema import Config, ConfigError
+from megatron_agent.config.validate import validate_config
 
 
 def _field_names(cls) -> list[str]:
@@ -152,8 +153,6 @@ def load_config(
     for override in overrides:
         apply_override(cfg, override)
     if validate:
-        from megatron_agent.config.validate import validate_config
-
         validate_config(cfg)
     return cfg
 

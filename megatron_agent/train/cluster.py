@@ -254,13 +254,6 @@ class GroupCall:
     ):
         self.group, self.refs, self.ranks, self.method, self.timeout_s = group, refs, ranks, method, timeout_s
 
-    def done(self) -> bool:
-        """True when every worker has returned (or failed): `result()` will not wait."""
-        import ray
-
-        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
-        return len(ready) == len(self.refs)
-
     def result(self) -> list[Any]:
         """The results in rank order; raises `WorkerError` naming a failed or late worker."""
         return self.group.wait(self.refs, self.ranks, self.method, self.timeout_s)

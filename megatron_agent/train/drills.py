@@ -35,11 +35,6 @@ class DrillPlan:
         """The plan of `cfg.debug` (inactive when every field is at its default)."""
         return cls(debug=cfg.debug, run_dir=cfg.trainer.run_dir)
 
-    @property
-    def active(self) -> bool:
-        """True when some drill is configured."""
-        return self.debug != DebugConfig()
-
 
 class Drills:
     """One worker's hook points (see the module docstring)."""

@@ -15,8 +15,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from megatron_agent.config.schema import KILL_PHASES as PHASES  # noqa: F401 (re-exported)
-
 
 def hold_at(target: str, run_dir: str | Path, phase: str, step: int) -> None:
     """Sleep forever here when `target` (`debug.hold_at`) is "phase:step" (a no-op otherwise)."""

@@ -63,10 +63,11 @@ class MegatronWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int, model_path: str, init_from: str = "") -> dict:
+    def setup(self, master_addr: str, master_port: int, init_from: str = "") -> dict:
         """Join the torch.distributed world, build actor and reference, the optimizer and the guard.
 
-        `init_from`: a checkpoint (e.g. from `sft`) whose weights replace model_path's, for both
+        `init_from`: a checkpoint (e.g. from `sft`) whose weights replace those of the plan's
+        model folder (`RunPlan.model_path`), for both
         the actor and the reference. Returns this rank's parallel info.
         """
         from megatron_agent.build_policy import policy_from_hf
@@ -87,7 +88,7 @@ class MegatronWorker:
         p = cfg.parallel
         init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.trainer.seed)
         opts = build_options(cfg)
-        self.model_path = model_path
+        self.model_path = model_path = self.plan.model_path
         self.actor = self._new_actor(opts)
         # Without a KL term the reference is never read: it is not built.
         self.ref = policy_from_hf(model_path, opts, trainable=False) if self.plan.uses_reference else None

@@ -66,9 +66,6 @@ class Trainer:
         """`cfg`: a loaded (validated) config; `plan`: its `make_plan(cfg)` (made here if None)."""
         self.cfg = cfg
         self.plan = plan = plan or make_plan(cfg)
-        # Which forward-only passes a step needs: the workers read the same plan.
-        self.old_from_update = plan.old_logprobs_from_update
-        self.uses_reference = plan.uses_reference
         self.run_dir = Path(plan.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_path = make_base_model(cfg, plan)
@@ -161,7 +158,7 @@ class Trainer:
             env_vars=env,
         )
         host, port = self.actors.call("rendezvous_address", ranks=[0])[0]
-        self.infos = self.actors.call("setup", host, port, self.model_path, cfg.trainer.init_from)
+        self.infos = self.actors.call("setup", host, port, cfg.trainer.init_from)
         if not engines:
             return
         self.engines = WorkerGroup(
@@ -292,7 +289,7 @@ class Trainer:
         """Forward-only passes before the update: `old_logp` and `entropy` (actor) unless the
         update provides them (`RunPlan.old_logprobs_from_update`), and `ref_logp` when a KL needs
         it. Returns ({tensor name: per-sequence rows}, timings); the batch is not changed."""
-        with_old, with_ref = not self.old_from_update, self.uses_reference
+        with_old, with_ref = not self.plan.old_logprobs_from_update, self.plan.uses_reference
         if not (with_old or with_ref):
             return {}, {}
         calls = self.actors.call("logprobs", batch.sequences, with_old, with_ref)

@@ -91,19 +91,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray cluster for the in-process Ray tests of the session (the trainer runs that
-    tests start as subprocesses start their own). Its workers have the repository on PYTHONPATH:
-    they load test tools, rewards and worker classes (`tests.*`) by dotted path."""
-    from megatron_agent.train.cluster import start_ray, stop_ray
-
-    started = start_ray(num_cpus=max(2, os.cpu_count() or 1), env_vars={"PYTHONPATH": str(REPO)})
-    yield
-    if started:
-        stop_ray()
-
-
 @pytest.fixture(scope="module")
 def repo_on_pythonpath():
     """The repository on PYTHONPATH while a module's trainer runs: its Ray workers load test

@@ -35,14 +35,13 @@ class WorkerDiedError(WorkerError):
         self.rank, self.pid = rank, pid
 
 
-def start_ray(address: str = "", num_cpus: int = 0, env_vars: dict[str, str] | None = None) -> bool:
-    """Start a local Ray cluster (address '') or join one; returns True when started here.
-    `env_vars`: set in every worker process besides the defaults."""
+def start_ray(address: str = "", num_cpus: int = 0) -> bool:
+    """Start a local Ray cluster (address '') or join one; returns True when started here."""
     import ray
 
     if ray.is_initialized():
         return False
-    env = {"env_vars": {"PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **(env_vars or {})}}
+    env = {"env_vars": {"PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
         return False

@@ -10,6 +10,7 @@ import torch
 from megatron_agent.sync import RayEndpoint, SyncError
 from megatron_agent.sync.buckets import BucketHeader, BucketWriter, units_nbytes
 from megatron_agent.sync.transports import BucketBuffer, choose_transport
+from tests.conftest import REPO
 
 
 class _RecordingEngine:
@@ -39,14 +40,18 @@ class _EngineActor:
 
 
 @pytest.fixture(scope="module")
-def ray_actor(ray_session):
-    import ray
-
-    actor = ray.remote(_EngineActor).options(max_concurrency=2).remote()
+def ray_actor():
+    ray = pytest.importorskip("ray")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+        log_to_driver=False,
+    )
     try:
-        yield actor
+        yield ray.remote(_EngineActor).options(max_concurrency=2).remote()
     finally:
-        ray.kill(actor)
+        ray.shutdown()
 
 
 def _bucket(tensors, corrupt=False):

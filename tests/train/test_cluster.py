@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megatron_agent.train.cluster import WorkerError, WorkerGroup
+from megatron_agent.train.cluster import WorkerError, WorkerGroup, start_ray, stop_ray
 
 
 class Flaky:
@@ -29,9 +29,10 @@ class Flaky:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(ray_session):
-    """The session's Ray cluster (tests/conftest.py)."""
+def ray_cluster():
+    start_ray(num_cpus=2)
     yield
+    stop_ray()
 
 
 @pytest.mark.parametrize(

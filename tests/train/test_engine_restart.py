@@ -51,7 +51,7 @@ def _engine_pids(t) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def drill(tmp_path_factory, repo_on_pythonpath, ray_session):
+def drill(tmp_path_factory, repo_on_pythonpath):
     from megatron_agent.config import config_to_dict, load_config
     from megatron_agent.train.cluster import WorkerDiedError, WorkerError, ray_cluster
     from megatron_agent.train.rl_loop import rl_step
@@ -169,7 +169,7 @@ class Mortal:
         return self.rank, os.getpid()
 
 
-def test_worker_group_names_a_death_and_replaces_the_worker(tmp_path, ray_session):
+def test_worker_group_names_a_death_and_replaces_the_worker(tmp_path):
     from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup, start_ray, stop_ray
 
     started = start_ray(num_cpus=2)

@@ -80,7 +80,7 @@ def _task_file(folder):
 
 
 @pytest.fixture(scope="module")
-def drill(tmp_path_factory, request, repo_on_pythonpath, ray_session):
+def drill(tmp_path_factory, request, repo_on_pythonpath):
     from megatron_agent.config import config_to_dict, load_config
     from megatron_agent.train.checkpointer import SaveError, Saver
     from megatron_agent.train.cluster import ray_cluster

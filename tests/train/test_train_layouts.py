@@ -58,7 +58,7 @@ def _session(tmp_path, overrides, steps):
     [["parallel.tp=2"], ["parallel.pp=2", "parallel.vpp=2", "actor.ppo_mini_batch_size=2"]],
     ids=["tp2pp1", "tp1pp2vpp2-old-logprobs-from-update"],
 )
-def test_rl_step_on_model_parallel_layouts(tmp_path, ray_session, layout):
+def test_rl_step_on_model_parallel_layouts(tmp_path, layout):
     rows = _session(tmp_path, layout, ["grpo", "grpo"])
     assert rows[-1]["sync/weight_version"] == 3  # initial sync + one per step
     # Two mini-batches recompute the old log-probs first; one takes them from the update.
@@ -68,7 +68,7 @@ def test_rl_step_on_model_parallel_layouts(tmp_path, ray_session, layout):
         assert all(r["actor/ppo_kl"] == 0.0 and r["actor/pg_clipfrac"] == 0.0 for r in rows)
 
 
-def test_every_estimator_runs_a_step_with_two_data_parallel_ranks(tmp_path, ray_session):
+def test_every_estimator_runs_a_step_with_two_data_parallel_ranks(tmp_path):
     rows = _session(
         tmp_path,
         ["parallel.dp=2", "algorithm.kl_loss_coef=0.01", "algorithm.kl_reward_coef=0.01"],

@@ -144,6 +144,7 @@ DIST_FILES = {
     "train/test_sft_step.py",
 }
 E2E_FILES = {
+    "train/test_async.py",
     "convert/test_export_training.py",
     "gpu/test_gpu_numerics.py",
     "ops/test_hotpotqa_recipe.py",
@@ -161,6 +162,7 @@ E2E_FILES = {
 # seconds each takes alone on a 2-core machine. A prefix covers every test it starts.
 SLOW = {
     "train/test_deterministic_resume.py::test_a_run_killed": 137,  # 5 trainer launches
+    "train/test_async.py::test_eta_1": 140,  # 3 trainer launches
     "train/test_resume_paths.py": 77,
     "convert/test_export_training.py": 73,
     "convert/test_convert.py": 63,

@@ -12,6 +12,7 @@ from megatron_agent.config.plan import RunPlan, make_plan
 from megatron_agent.config.schema import (
     ActorConfig,
     AlgorithmConfig,
+    AsyncConfig,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -33,6 +34,7 @@ from megatron_agent.config.validate import validate_config
 __all__ = [
     "ActorConfig",
     "AlgorithmConfig",
+    "AsyncConfig",
     "CheckpointConfig",
     "Config",
     "ConfigError",

@@ -19,6 +19,11 @@ from megatron_agent.config.schema import Config, ConfigError
 from megatron_agent.config.validate import validate_config
 
 
+KEY_OF_FIELD = {"async_": "async"}
+"""Fields whose name in YAML and overrides differs (a Python keyword cannot name a field)."""
+FIELD_OF_KEY = {key: name for name, key in KEY_OF_FIELD.items()}
+
+
 def _field_names(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
@@ -27,10 +32,11 @@ def _all_dotted_keys(cls, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
         sub = _resolve_type(cls, f)
+        name = KEY_OF_FIELD.get(f.name, f.name)
         if dataclasses.is_dataclass(sub):
-            keys.extend(_all_dotted_keys(sub, f"{prefix}{f.name}."))
+            keys.extend(_all_dotted_keys(sub, f"{prefix}{name}."))
         else:
-            keys.append(f"{prefix}{f.name}")
+            keys.append(f"{prefix}{name}")
     return keys
 
 
@@ -110,6 +116,7 @@ def _apply_mapping(obj, mapping: dict, prefix: str = "") -> None:
     cls = type(obj)
     names = _field_names(cls)
     for key, value in mapping.items():
+        key = FIELD_OF_KEY.get(key, key)
         if key not in names:
             raise _unknown_key_error(key, value, prefix)
         f = next(f for f in dataclasses.fields(cls) if f.name == key)
@@ -117,7 +124,7 @@ def _apply_mapping(obj, mapping: dict, prefix: str = "") -> None:
         if dataclasses.is_dataclass(typ):
             if not isinstance(value, dict):
                 raise ConfigError(f"config section '{prefix}{key}' expects a mapping, got {value!r}")
-            _apply_mapping(getattr(obj, key), value, f"{prefix}{key}.")
+            _apply_mapping(getattr(obj, key), value, f"{prefix}{KEY_OF_FIELD.get(key, key)}.")
         else:
             setattr(obj, key, _coerce(value, typ, f"{prefix}{key}"))
 
@@ -165,5 +172,5 @@ def config_from_dict(data: dict) -> Config:
 
 
 def config_to_dict(cfg) -> dict:
-    """The config as plain nested dicts (for YAML dumps and logging)."""
-    return dataclasses.asdict(cfg)
+    """The config as plain nested dicts, keyed as in YAML (for dumps, logging and the workers)."""
+    return {KEY_OF_FIELD.get(k, k): v for k, v in dataclasses.asdict(cfg).items()}

@@ -28,7 +28,14 @@ class RunPlan:
     """A frozen reference model is built and its log-probs computed (a KL term or the KL guard)."""
     rollout_is: str
     """The rollout IS weights the loss uses: 'none', 'token' or 'sequence' (`algorithm.rollout_is`,
-    'auto' resolved: 'token' with an FP8 rollout, else 'none')."""
+    'auto' resolved: 'token' with an off-policy correction or an FP8 rollout, else 'none')."""
+    rollout_is_mode: str
+    """Weights above the cap: 'mask' (`algorithm.off_policy_loss=decoupled`), 'truncate' (`tis`),
+    else `algorithm.rollout_is_mode`."""
+    mode: str
+    """'sync' or 'async' (`trainer.mode`)."""
+    max_staleness: int
+    """The staleness bound eta of an async run (`async.max_staleness`); 0 in sync mode."""
     old_logprobs_from_update: bool
     """Old log-probs come from the update's own forward (else from a forward-only pass before it)."""
     num_mini_batches: int
@@ -66,12 +73,17 @@ def num_mini_batches(cfg: Config) -> int:
 
 
 def rollout_is(cfg: Config) -> str:
-    """`algorithm.rollout_is` with 'auto' resolved: truncated token-level IS for an FP8 rollout
-    (its log-probs differ from the BF16 trainer's), none otherwise."""
+    """`algorithm.rollout_is` with 'auto' resolved: token-level IS for an off-policy correction
+    or an FP8 rollout (its log-probs differ from the BF16 trainer's), none otherwise."""
     mode = cfg.algorithm.rollout_is
     if mode == "auto":
-        return "token" if cfg.rollout.quantization == "fp8" else "none"
+        return "token" if cfg.algorithm.off_policy_loss or cfg.rollout.quantization == "fp8" else "none"
     return mode
+
+
+def rollout_is_mode(cfg: Config) -> str:
+    """What happens to IS weights above the cap: the off-policy loss decides when one is set."""
+    return {"decoupled": "mask", "tis": "truncate"}.get(cfg.algorithm.off_policy_loss, cfg.algorithm.rollout_is_mode)
 
 
 def old_logprobs_from_update(cfg: Config) -> bool:
@@ -117,6 +129,9 @@ def make_plan(cfg: Config) -> RunPlan:
         tiny_family="" if cfg.model.path else cfg.model.tiny_family,
         uses_reference=uses_reference(cfg),
         rollout_is=rollout_is(cfg),
+        rollout_is_mode=rollout_is_mode(cfg),
+        mode=cfg.trainer.mode,
+        max_staleness=cfg.async_.max_staleness if cfg.trainer.mode == "async" else 0,
         old_logprobs_from_update=old_logprobs_from_update(cfg),
         num_mini_batches=num_mini_batches(cfg),
         total_optimizer_steps=cfg.trainer.total_steps * cfg.actor.ppo_epochs * num_mini_batches(cfg),

@@ -156,6 +156,11 @@ class AlgorithmConfig:
     """Cap of the rollout importance weights."""
     rollout_is_mode: Literal["truncate", "mask"] = "truncate"
     """Weights above the cap: 'truncate' (cap them) or 'mask' (drop the token or sequence)."""
+    off_policy_loss: Literal["", "decoupled", "tis"] = ""
+    """Off-policy correction (required with trainer.mode=async; docs/async.md): proximal log-probs
+    from the trainer before the update (the PPO clip is on pi/pi_prox) and the behaviour weight
+    pi_prox/pi_engine at `rollout_is`'s level ('auto': token), 'decoupled' dropping weights above
+    `rollout_is_cap` (AReaL), 'tis' capping them (truncated IS). '': none (then `rollout_is_mode`)."""
     mismatch_thresholds: list[float] = field(default_factory=lambda: [0.1, 1.0])
     """|old - rollout| log-prob thresholds reported as mismatch/frac_abs_diff_gt_{t}."""
     dynamic_sampling: bool = False
@@ -343,6 +348,19 @@ class TrainerConfig:
     """Checkpoint (e.g. written by `sft`) whose weights the actor starts from instead of model.path."""
     worker_timeout_s: float = 600.0
     """A worker call that does not return within this many seconds is an error naming the worker."""
+    mode: Literal["sync", "async"] = "sync"
+    """'sync': generate, then train, each step; 'async': the engines generate the next steps' groups
+    while the actor trains, under the staleness bound `async.max_staleness` (docs/async.md)."""
+
+
+@dataclass
+class AsyncConfig:
+    """Asynchronous RL (`trainer.mode=async`; the YAML and override key is `async`)."""
+
+    max_staleness: int = 1
+    """eta: a group is admitted (its generation starts) only while fewer than (eta + 1) x
+    data.train_batch_size groups are ahead of the trainer's weight version, so no trained token
+    was sampled more than eta versions before the update that trains it. 0: the synchronous run."""
 
 
 @dataclass
@@ -429,6 +447,8 @@ class Config:
     """Weight sync to the rollout engines."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The run."""
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    """Asynchronous RL (key `async` in YAML and overrides: `async` is a Python keyword)."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Ray cluster."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -20,6 +20,7 @@ def validate_config(cfg: Config) -> None:
     _check_paths(cfg)
     _check_parallel(cfg)
     _check_machine(cfg)
+    _check_async(cfg)
     hold = cfg.debug.hold_at
     phase, _, step = hold.partition(":")
     if hold and (phase not in KILL_PHASES or not step.isdigit()):
@@ -82,6 +83,29 @@ def _check_parallel(cfg: Config) -> None:
         )
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp > 1")
+
+
+def _check_async(cfg: Config) -> None:
+    """Asynchronous RL needs an off-policy correction; the correction needs IS weights."""
+    algo, eta = cfg.algorithm, cfg.async_.max_staleness
+    if eta < 0:
+        raise ConfigError(f"async.max_staleness={eta} must be >= 0 (0: the synchronous schedule)")
+    if cfg.trainer.mode == "async":
+        if not algo.off_policy_loss:
+            raise ConfigError(
+                "trainer.mode=async needs an off-policy correction: set algorithm.off_policy_loss=decoupled "
+                "(or tis); without one the loss treats tokens sampled by older weights as on-policy"
+            )
+        if algo.dynamic_sampling:
+            raise ConfigError(
+                "algorithm.dynamic_sampling=true is not supported with trainer.mode=async yet "
+                "(a refilled group would break the admission order): set one of them off"
+            )
+    if algo.off_policy_loss and algo.rollout_is == "none":
+        raise ConfigError(
+            f"algorithm.off_policy_loss={algo.off_policy_loss} weights tokens by pi_prox/pi_engine but "
+            "algorithm.rollout_is=none turns those weights off: use auto, token or sequence"
+        )
 
 
 def _check_machine(cfg: Config) -> None:

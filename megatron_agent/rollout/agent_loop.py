@@ -163,7 +163,7 @@ class AgentLoop:
                 traj.finish_reason = "timeout"
                 break
             start = len(traj.response_ids)
-            traj.append(out.token_ids, TokenSource.SAMPLED, out.logprobs)
+            traj.append(out.token_ids, TokenSource.SAMPLED, out.logprobs, version=out.weight_version)
             traj.turn_spans.append((start, len(traj.response_ids)))
             traj.num_turns += 1
             versions.append(out.weight_version)

@@ -26,6 +26,7 @@ DUMP_FIELDS = (
     "tool_calls",
     "finish_reason",
     "weight_version",
+    "policy_versions",
 )
 """Keys of every dump object, in order (DESIGN.md). old/ref logprobs and advantages may be null."""
 

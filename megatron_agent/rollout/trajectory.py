@@ -9,6 +9,7 @@ which a loss-bearing token has no rollout log-prob.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -78,15 +79,23 @@ class Trajectory:
     """Uid of the task the trajectory answers."""
     sample_index: int = 0
     """Index of this sample within its group (the GRPO group is the task)."""
+    token_versions: list[int | None] = field(default_factory=list)
+    """Policy version of each response token: the engine weight version that sampled it; None for
+    the other sources. A trajectory can span versions (a sync between its turns)."""
 
-    def append(self, ids: list[int], source: TokenSource, logprobs: list[float] | None = None) -> None:
-        """Append `ids` with one source; `logprobs` is required for, and only for, sampled ids."""
+    def append(
+        self, ids: list[int], source: TokenSource, logprobs: list[float] | None = None, version: int | None = None
+    ) -> None:
+        """Append `ids` with one source; `logprobs` is required for, and only for, sampled ids,
+        and `version` (the sampling weight version, default `weight_version`) only applies to them."""
         if source is TokenSource.SAMPLED:
             assert logprobs is not None and len(logprobs) == len(ids), "sampled ids need one logprob each"
             self.rollout_logprobs.extend(float(x) for x in logprobs)
+            self.token_versions.extend([self.weight_version if version is None else int(version)] * len(ids))
         else:
             assert logprobs is None, f"{source.value} tokens carry no rollout logprob"
             self.rollout_logprobs.extend([None] * len(ids))
+            self.token_versions.extend([None] * len(ids))
         self.response_ids.extend(int(t) for t in ids)
         self.token_source.extend([source] * len(ids))
 
@@ -123,6 +132,7 @@ class Trajectory:
             "tool_calls": [c.to_dict() for c in self.tool_calls],
             "finish_reason": self.finish_reason,
             "weight_version": self.weight_version,
+            "policy_versions": self.token_versions,
         }
         for key, value in extra.items():
             if key not in row:
@@ -147,7 +157,23 @@ class Trajectory:
             finish_reason=row.get("finish_reason", ""),
             weight_version=row.get("weight_version", 0),
             reward=row.get("reward"),
+            token_versions=list(row.get("policy_versions") or [None] * len(row["response_ids"])),
         )
+
+    def to_state(self) -> dict:
+        """Every field as JSON values (an async run's checkpoint keeps its generated, untrained groups)."""
+        row = dataclasses.asdict(self)
+        row["token_source"] = [s.value for s in self.token_source]
+        return row
+
+    @classmethod
+    def from_state(cls, row: dict) -> Trajectory:
+        """The trajectory `to_state` wrote."""
+        fields = dict(row)
+        fields["token_source"] = [TokenSource(s) for s in row["token_source"]]
+        fields["tool_calls"] = [ToolCallRecord(**c) for c in row["tool_calls"]]
+        fields["turn_spans"] = [tuple(span) for span in row["turn_spans"]]
+        return cls(**fields)
 
 
 def build_training_batch(trajectories: list[Trajectory], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -156,7 +182,8 @@ def build_training_batch(trajectories: list[Trajectory], pad_id: int = 0) -> dic
     Returns (B = trajectories, T = longest prompt + response):
       input_ids_BT (int64, padded with `pad_id`), attention_mask_BT (int64),
       loss_mask_BT (float32; 1 on sampled response tokens), rollout_logprobs_BT (float32, 0 where
-      not loss-bearing), prompt_lengths_B, response_lengths_B, rewards_B (float32, NaN if unset).
+      not loss-bearing), policy_versions_BT (int64, the sampling weight version; -1 where not
+      loss-bearing), prompt_lengths_B, response_lengths_B, rewards_B (float32, NaN if unset).
     `loss_mask_BT[b, t]` refers to the token `input_ids_BT[b, t]` (predicted from position t - 1).
     Raises ValueError naming the trajectory and position if a loss-bearing token has no finite
     rollout log-prob (an injected token leaking into the loss is exactly the bug this prevents).
@@ -169,6 +196,7 @@ def build_training_batch(trajectories: list[Trajectory], pad_id: int = 0) -> dic
     attention_mask_BT = torch.zeros((num_rows, max_len), dtype=torch.int64)
     loss_mask_BT = torch.zeros((num_rows, max_len), dtype=torch.float32)
     rollout_logprobs_BT = torch.zeros((num_rows, max_len), dtype=torch.float32)
+    policy_versions_BT = torch.full((num_rows, max_len), -1, dtype=torch.int64)
     prompt_lengths_B = torch.zeros(num_rows, dtype=torch.int64)
     response_lengths_B = torch.zeros(num_rows, dtype=torch.int64)
     rewards_B = torch.full((num_rows,), float("nan"), dtype=torch.float32)
@@ -182,6 +210,7 @@ def build_training_batch(trajectories: list[Trajectory], pad_id: int = 0) -> dic
         ids = traj.prompt_ids + traj.response_ids
         input_ids_BT[b, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
         attention_mask_BT[b, : len(ids)] = 1
+        versions = traj.token_versions or [traj.weight_version] * len(traj.response_ids)
         for i, (source, logp) in enumerate(zip(traj.token_source, traj.rollout_logprobs)):
             if source is not TokenSource.SAMPLED:
                 continue
@@ -192,6 +221,7 @@ def build_training_batch(trajectories: list[Trajectory], pad_id: int = 0) -> dic
                 )
             loss_mask_BT[b, num_prompt + i] = 1.0
             rollout_logprobs_BT[b, num_prompt + i] = logp
+            policy_versions_BT[b, num_prompt + i] = versions[i]
         prompt_lengths_B[b] = num_prompt
         response_lengths_B[b] = len(traj.response_ids)
         if traj.reward is not None:
@@ -201,6 +231,7 @@ def build_training_batch(trajectories: list[Trajectory], pad_id: int = 0) -> dic
         "attention_mask_BT": attention_mask_BT,
         "loss_mask_BT": loss_mask_BT,
         "rollout_logprobs_BT": rollout_logprobs_BT,
+        "policy_versions_BT": policy_versions_BT,
         "prompt_lengths_B": prompt_lengths_B,
         "response_lengths_B": response_lengths_B,
         "rewards_B": rewards_B,

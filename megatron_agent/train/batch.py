@@ -3,6 +3,7 @@
 Alignment: a sequence of L ids (prompt + response) has L - 1 targets; target j predicts id j + 1.
 Every per-target tensor here is [L - 1] per sequence: `loss_mask` (1 on engine-sampled response
 ids only, the provenance contract), `rollout_logp` (the engine's log-prob there, 0 elsewhere),
+`policy_version` (the weight version that sampled it, -1 elsewhere),
 and later `old_logp`, `ref_logp`, `advantages`, `is_weights`. Padded [B, T] views (T = longest
 target count) are made only where a batch-level computation needs them (advantages).
 """
@@ -15,7 +16,7 @@ import torch
 
 from megatron_agent.rollout.trajectory import Trajectory, build_training_batch
 
-PER_TARGET_KEYS = ("loss_mask", "rollout_logp", "old_logp", "ref_logp", "advantages", "is_weights")
+PER_TARGET_KEYS = ("loss_mask", "rollout_logp", "policy_version", "old_logp", "ref_logp", "advantages", "is_weights")
 
 
 @dataclass
@@ -88,6 +89,8 @@ def batch_from_trajectories(
     # Token t of a row is predicted by target t - 1: shift the token-aligned tensors left by one.
     batch.tensors["loss_mask"] = [tb["loss_mask_BT"][b, 1:n].clone() for b, n in enumerate(lengths)]
     batch.tensors["rollout_logp"] = [tb["rollout_logprobs_BT"][b, 1:n].clone() for b, n in enumerate(lengths)]
+    versions = tb["policy_versions_BT"].float()  # exact: versions are far below 2**24
+    batch.tensors["policy_version"] = [versions[b, 1:n].clone() for b, n in enumerate(lengths)]
     return batch
 
 

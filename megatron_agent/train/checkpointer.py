@@ -28,6 +28,7 @@ class Saver:
     def __init__(self, cfg, trainer, run_log):
         self.cfg, self.trainer, self.run_log = cfg, trainer, run_log
         self.ref_from = ""
+        self.pipeline = None  # an async run's admitted rollouts: saved with the driver's state
         self.last_saved: int | None = None
         self.num_errors = 0
 
@@ -49,6 +50,8 @@ class Saver:
             return path
         start = time.perf_counter()
         state = driver_state(self.trainer, self.run_log, step, self.ref_from)
+        if self.pipeline is not None:
+            state["async"] = self.pipeline.state_dict()  # waits for the admitted batches
         try:
             self.trainer.actors.call("save_state", str(path), self.trainer.model_path, state)
         except WorkerError as exc:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from megatron_agent.train.batch import (
     overlong_penalty,
 )
 from megatron_agent.train.trainer import Trainer
+
+if TYPE_CHECKING:
+    from megatron_agent.train.async_rollouts import RolloutPipeline
 
 
 @contextmanager
@@ -66,14 +70,16 @@ class Advantages:
     returns_BT: torch.Tensor
 
 
-def rl_step(t: Trainer, step: int) -> dict[str, float]:
-    """One RL step; returns its metrics (DESIGN.md names)."""
+def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> dict[str, float]:
+    """One RL step; returns its metrics (DESIGN.md names). `pipeline`: an async run's admitted
+    rollouts (train/async_rollouts.py); None: generate this step's rollouts now."""
     algo, m = t.cfg.algorithm, {"step": step}
     with timer(m, "step"):
         with timer(m, "gen"):
-            rollouts = collect_rollouts(t, m)
+            rollouts = collect_rollouts(t, m) if pipeline is None else admitted_rollouts(t, pipeline, step, m)
         m.update(rollout_metrics(rollouts.trajectories))
-        m.update(t.tool_metrics())
+        if pipeline is None:
+            m.update(t.tool_metrics())
         m["rollout/engine_restarts"] = float(t.engine_restarts)  # cumulative over the run
         batch = scored_batch(t, rollouts)
 
@@ -85,7 +91,7 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
             adv = advantages(t, batch, rollouts, mask_BT, m)
             batch.set_padded("advantages", adv.adv_BT)
             if t.plan.rollout_is != "none":  # then the log-prob stage computed old log-probs
-                w_BT, is_m = importance_weights(batch, mask_BT, algo, t.plan.rollout_is)
+                w_BT, is_m = importance_weights(batch, mask_BT, algo, t.plan.rollout_is, t.plan.rollout_is_mode)
                 batch.set_padded("is_weights", w_BT)
                 m.update(is_m)
 
@@ -97,6 +103,9 @@ def rl_step(t: Trainer, step: int) -> dict[str, float]:
         with timer(m, "adv"):
             m.update(mismatch(batch, mask_BT, algo))
             m.update(batch_stats(batch, mask_BT, adv))
+        if pipeline is not None:
+            m.update(staleness_metrics(batch, mask_BT, t.weight_version, t.plan.max_staleness))
+            m["timing_s/wait_rollout"] += pipeline.drain()  # the engines take the weights idle
         with timer(m, "update_weights"):
             m.update(t.sync())
         if t.cfg.trainer.dump_rollouts:
@@ -184,6 +193,53 @@ def collect_rollouts(t: Trainer, m: dict) -> Rollouts:
     return Rollouts(kept, group_ids, tasks)
 
 
+def admitted_rollouts(t: Trainer, pipeline: RolloutPipeline, step: int, m: dict) -> Rollouts:
+    """An async step's rollouts: admit what the staleness bound allows, then take this step's
+    batch (generated meanwhile). Adds the engines' tool metrics, `async/admitted_groups`,
+    `timing_s/wait_rollout` (the trainer idle) and `timing_s/wait_update` (the engines idle)."""
+    cfg = t.cfg
+    pipeline.admit(updates_done=step - 1, last_step=cfg.trainer.total_steps)
+    admitted, waited = pipeline.take(step)
+    m.update(admitted.engine_metrics)
+    m["timing_s/wait_rollout"] = waited
+    m["async/admitted_groups"] = float(pipeline.admitted * cfg.data.train_batch_size)
+    m["async/interrupted_requests"] = 0.0  # the engines finish their batches before a sync
+    m["rollout/gen_batches"], m["rollout/dropped_groups"] = 1.0, 0.0
+    n, kept, group_ids, tasks = cfg.rollout.n, admitted.trajectories, [], {}
+    for k, index in enumerate(admitted.indices):
+        group = kept[k * n : (k + 1) * n]
+        group_id = f"0:{k}:{group[0].task_uid}"  # as a synchronous step's first round names it
+        group_ids.extend([group_id] * len(group))
+        tasks[group_id] = t.train_tasks[index]
+    return Rollouts(kept, group_ids, tasks)
+
+
+def staleness_metrics(batch: RLBatch, mask_BT, trainer_version: int, max_staleness: int) -> dict[str, float]:
+    """async/staleness/{mean,max} over the loss tokens (the trainer's version at this update minus
+    the version that sampled the token), async/tokens_per_version, and the rollout-vs-trainer
+    log-prob gap per staleness (mismatch/staleness_{s}/abs_diff_mean). Raises when a token is
+    older than the bound: admission makes that impossible, so it is a bug."""
+    mask = mask_BT.bool()
+    staleness = (trainer_version - batch.padded("policy_version"))[mask]
+    if not staleness.numel():
+        return {}
+    worst = int(staleness.max())
+    if worst > max_staleness:
+        raise RuntimeError(
+            f"async: a trained token is {worst} versions stale (async.max_staleness={max_staleness}): "
+            "the admission bound was broken"
+        )
+    gap = (batch.padded("old_logp") - batch.padded("rollout_logp")).abs()[mask]
+    out = {
+        "async/staleness/mean": float(staleness.float().mean()),
+        "async/staleness/max": float(worst),
+        "async/tokens_per_version": float(staleness.numel() / len(torch.unique(staleness))),
+    }
+    for s in torch.unique(staleness).tolist():
+        out[f"mismatch/staleness_{int(s)}/abs_diff_mean"] = float(gap[staleness == s].mean())
+    return out
+
+
 def greedy_baseline(t: Trainer, group_ids: list[str], tasks: dict) -> torch.Tensor:
     """ReMax's baseline [B]: the reward of one greedy rollout of each sequence's task."""
     order = list(tasks)
@@ -192,16 +248,20 @@ def greedy_baseline(t: Trainer, group_ids: list[str], tasks: dict) -> torch.Tens
     return torch.tensor([reward_of[g] for g in group_ids], dtype=torch.float32)
 
 
-def importance_weights(batch: RLBatch, mask_BT, algo, level: str) -> tuple[torch.Tensor, dict[str, float]]:
+def importance_weights(
+    batch: RLBatch, mask_BT, algo, level: str, mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The rollout-vs-trainer IS weights [B, T] at `level` ('token' or 'sequence':
-    `RunPlan.rollout_is`; engine vs old log-probs, capped or masked) and their metrics."""
+    `RunPlan.rollout_is`; engine vs old log-probs, capped or masked as `RunPlan.rollout_is_mode`
+    says) and their metrics. With an off-policy loss these are the behaviour weights
+    pi_prox / pi_behaviour (the old log-probs are the proximal ones)."""
     w_BT, is_m = rollout_is_weights(
         batch.padded("rollout_logp"),
         batch.padded("old_logp"),
         mask_BT,
         level=level,
         cap=algo.rollout_is_cap,
-        mode=algo.rollout_is_mode,
+        mode=mode,
     )
     return w_BT, {f"mismatch/{k}": float(v) for k, v in is_m.items()}
 

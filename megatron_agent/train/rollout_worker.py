@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 from megatron_agent.config import RunPlan, config_from_dict
 from megatron_agent.train.drills import DrillPlan, Drills
@@ -36,6 +37,7 @@ class RolloutWorker:
         self.loop = build_agent_loop(cfg, self.engine, tools, turn_hook=hook)
         self.receiver = None
         self.step = 0
+        self._idle_s, self._last_end = 0.0, None
 
     def ping(self) -> int:
         """Liveness check; returns the engine index."""
@@ -50,11 +52,20 @@ class RolloutWorker:
             self.engine.reset_prefix_cache()  # the same (empty) cache whatever ran before
         if not greedy:
             self.drills.reached("rollout", self.step)
+        if self._last_end is not None:
+            self._idle_s += time.perf_counter() - self._last_end
         try:
             with self.drills.around_rollout(self.engine, self.rank, greedy):
                 return self.loop.run(tasks, n)
         finally:
             self.loop.config = base
+            self._last_end = time.perf_counter()
+
+    def idle_seconds(self) -> float:
+        """Seconds this engine waited between rollouts since the last call (an async run's
+        `timing_s/wait_update`)."""
+        idle, self._idle_s = self._idle_s, 0.0
+        return idle
 
     def reseed(self, seed: int, step: int = 0) -> None:
         """Seed this process's python/numpy/torch RNGs (vLLM samples from torch's) with seed + rank,

@@ -61,6 +61,7 @@ class Run:
             resume_dir, state = find_resume(self.cfg)
             if state is not None and state.get("ref_from"):  # stored relative to the run folder
                 state["ref_from"] = str(resolve_ref_from(state["ref_from"], trainer.run_dir, resume_dir))
+            pipeline = async_pipeline(trainer, state)
         except BAD_INPUT as exc:
             return _error(exc, 2)
         total = self.cfg.trainer.total_steps
@@ -74,7 +75,7 @@ class Run:
             return 2
         with StopRequest() as stop:
             return self._with_workers(
-                trainer, stop, lambda log: self._rl(trainer, log, stop, resume_dir, state)
+                trainer, stop, lambda log: self._rl(trainer, log, stop, resume_dir, state, pipeline)
             )
 
     def sft(self) -> int:
@@ -135,13 +136,14 @@ class Run:
             run_log.close()
 
     # ----------------------------------------------------------------------------- RL
-    def _rl(self, trainer, run_log, stop, resume_dir: Path | None, state: dict | None) -> int:
+    def _rl(self, trainer, run_log, stop, resume_dir: Path | None, state: dict | None, pipeline) -> int:
         from megatron_agent.train.checkpointer import SaveError, Saver
         from megatron_agent.train.rl_loop import rl_step
         from megatron_agent.train.run_state import rollout_seed
 
         cfg, total = self.cfg, self.cfg.trainer.total_steps
         saver, validator = Saver(cfg, trainer, run_log), Validator(cfg, trainer)
+        saver.pipeline = pipeline  # None in sync mode
         if state is not None:
             done = self._resume(trainer, run_log, saver, resume_dir, state)
         else:
@@ -149,8 +151,9 @@ class Run:
         for step in range(done + 1, total + 1):
             if stop.requested:
                 break
-            trainer.reseed_engines(rollout_seed(cfg.rollout.seed, step), step)
-            metrics = rl_step(trainer, step)
+            if pipeline is None:  # an async run reseeds the engines per admitted batch
+                trainer.reseed_engines(rollout_seed(cfg.rollout.seed, step), step)
+            metrics = rl_step(trainer, step, pipeline)
             if validator.due(step):
                 metrics.update(validator())
             metrics["checkpoint/save_errors"] = float(saver.num_errors)
@@ -206,6 +209,33 @@ class Run:
     def _restart_actors_from(trainer, ckpt: str) -> None:
         trainer.actors.call("restart_from", ckpt)
         trainer.actors.call("connect_engines", trainer.engines.workers)
+
+
+def async_pipeline(trainer, state: dict | None):
+    """The admitted-rollout pipeline of an async run (None in sync mode), restored from a
+    checkpoint's driver `state` when resuming. A checkpoint holding admitted batches resumes
+    only in async mode with a bound at least as large as theirs (ConfigError otherwise)."""
+    from megatron_agent.train.async_rollouts import RolloutPipeline
+
+    saved = (state or {}).get("async")
+    plan = trainer.plan
+    if plan.mode != "async":
+        if saved and saved["batches"]:
+            raise ConfigError(
+                f"the checkpoint holds {len(saved['batches'])} generated, untrained batches of an async run: "
+                "resume it with trainer.mode=async (or start a new run folder)"
+            )
+        return None
+    pipeline = RolloutPipeline(trainer, plan.max_staleness)
+    if saved:
+        if saved["max_staleness"] > plan.max_staleness and saved["batches"]:
+            raise ConfigError(
+                f"the checkpoint's batches were admitted under async.max_staleness={saved['max_staleness']}: "
+                f"resuming with {plan.max_staleness} would train tokens older than the bound; "
+                f"resume with async.max_staleness>={saved['max_staleness']}"
+            )
+        pipeline.load_state_dict(saved)
+    return pipeline
 
 
 def _versions_ok() -> bool:

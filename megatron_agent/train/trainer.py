@@ -192,38 +192,15 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- calls
     def rollout(self, tasks: list[Task], n: int, *, greedy: bool = False) -> list:
-        """`n` trajectories per task, tasks split across the engines; task-major order.
+        """`n` trajectories per task, tasks split across the engines; task-major order."""
+        return self.submit_rollout(tasks, n, greedy=greedy).result()
 
-        An engine whose process dies meanwhile is replaced (`replace_engines`) and its whole share
-        is rolled out again on the new one (its partial trajectories are lost with it)."""
+    def submit_rollout(self, tasks: list[Task], n: int, *, greedy: bool = False) -> PendingRollout:
+        """Start `rollout` on the engines and return at once; `.result()` collects it. Calls on an
+        engine run in the order they were submitted (an async run queues several steps)."""
         num = len(self.engines)
         parts = [tasks[i::num] for i in range(num)]
-        pending = {i: (parts[i], n, greedy) for i in range(num) if parts[i]}
-        results: dict[int, list] = {}
-        bars = self.cfg.logging.progress_bars
-        with progress("rollout", total=len(tasks) * n, enabled=bars, unit="traj") as bar:
-            while pending:
-                calls = {
-                    rank: self.engines.submit("generate", *a, ranks=[rank]) for rank, a in pending.items()
-                }
-                dead = []
-                for rank, call in calls.items():  # submitted together; collected one by one
-                    try:
-                        results[rank] = call.result()[0]
-                        bar.update(len(results[rank]))
-                    except WorkerDiedError as exc:  # an exception raised inside it stays an error
-                        dead.append(exc)
-                if dead:
-                    self.replace_engines(dead)
-                pending = {exc.rank: pending[exc.rank] for exc in dead}
-        by_task = {}
-        for rank, trajs in sorted(results.items()):
-            for k, task in enumerate(parts[rank]):
-                by_task.setdefault(id(task), []).append(trajs[k * n : (k + 1) * n])
-        out = []
-        for task in tasks:
-            out.extend(by_task[id(task)].pop(0))
-        return out
+        return PendingRollout(self, tasks, parts, n, greedy)
 
     def replace_engines(self, dead: list[WorkerDiedError]) -> None:
         """Start a new engine for each dead one (same rank and config), reconnect the actor's
@@ -271,10 +248,13 @@ class Trainer:
                 m["sync/seconds"],
             )
 
-    def reseed_engines(self, *args) -> None:
-        """`reseed(*args)` on every engine; remembered, so that a replacement engine gets it too."""
+    def reseed_engines(self, *args, wait: bool = True) -> None:
+        """`reseed(*args)` on every engine; remembered, so that a replacement engine gets it too.
+        `wait=False` queues it before the engines' next calls and returns at once."""
         self._engine_reseed = args
-        self.engines.call("reseed", *args)
+        call = self.engines.submit("reseed", *args)
+        if wait:
+            call.result()
 
     def tool_metrics(self) -> dict[str, float]:
         """Sandbox metrics of the engines' tools: unsandboxed calls summed, sandboxed if all are."""
@@ -330,6 +310,48 @@ class Trainer:
         metrics = self.actors.call("sync_weights")[0]
         self.weight_version = int(metrics["sync/weight_version"])
         return metrics
+
+
+class PendingRollout:
+    """A rollout submitted to the engines (`Trainer.submit_rollout`).
+
+    An engine whose process dies meanwhile is replaced (`Trainer.replace_engines`) and its whole
+    share is rolled out again on the new one (its partial trajectories are lost with it)."""
+
+    def __init__(self, trainer: Trainer, tasks: list[Task], parts: list[list[Task]], n: int, greedy: bool):
+        self.trainer, self.tasks, self.parts, self.n, self.greedy = trainer, tasks, parts, n, greedy
+        self.pending = {i: (parts[i], n, greedy) for i in range(len(parts)) if parts[i]}
+        self.calls = self._submit()
+
+    def _submit(self) -> dict:
+        engines = self.trainer.engines
+        return {rank: engines.submit("generate", *a, ranks=[rank]) for rank, a in self.pending.items()}
+
+    def result(self) -> list:
+        """The trajectories, task-major (waits for the engines)."""
+        results: dict[int, list] = {}
+        bars = self.trainer.cfg.logging.progress_bars
+        with progress("rollout", total=len(self.tasks) * self.n, enabled=bars, unit="traj") as bar:
+            while self.pending:
+                dead = []
+                for rank, call in self.calls.items():  # submitted together; collected one by one
+                    try:
+                        results[rank] = call.result()[0]
+                        bar.update(len(results[rank]))
+                    except WorkerDiedError as exc:  # an exception raised inside it stays an error
+                        dead.append(exc)
+                if dead:
+                    self.trainer.replace_engines(dead)
+                self.pending = {exc.rank: self.pending[exc.rank] for exc in dead}
+                self.calls = self._submit() if self.pending else {}
+        by_task = {}
+        for rank, trajs in sorted(results.items()):
+            for k, task in enumerate(self.parts[rank]):
+                by_task.setdefault(id(task), []).append(trajs[k * self.n : (k + 1) * self.n])
+        out = []
+        for task in self.tasks:
+            out.extend(by_task[id(task)].pop(0))
+        return out
 
 
 def gather_rows(batch: RLBatch, name: str, parts: list[tuple[list[int], list]]) -> list:

@@ -94,3 +94,20 @@ def test_dump_contract(tmp_path):
     with pytest.raises(ValueError, match="unknown rollout-dump field"):
         trajs[0].to_dump(oldlogprobs=[])
     assert json.loads(path.read_text().splitlines()[0])["uid"] == "a/0"
+
+
+def test_every_sampled_token_carries_the_version_that_sampled_it_and_the_state_round_trips():
+    from megatron_agent.rollout.trajectory import build_training_batch
+
+    traj = Trajectory(uid="t/0", prompt_ids=[1, 2], weight_version=3, task_uid="t")
+    traj.append([5, 6], S, [-0.1, -0.2], version=3)
+    traj.append([7], T)
+    traj.append([8], S, [-0.3], version=4)  # a sync between the turns
+    traj.turn_spans = [(0, 2), (3, 4)]
+    traj.reward, traj.reward_info = 1.0, {"numeric": 1.0}
+    assert traj.token_versions == [3, 3, None, 4]
+    assert traj.to_dump()["policy_versions"] == [3, 3, None, 4]
+    back = Trajectory.from_state(json.loads(json.dumps(traj.to_state())))
+    assert back == traj
+    tb = build_training_batch([traj])
+    assert tb["policy_versions_BT"].tolist() == [[-1, -1, 3, 3, -1, 4]]

@@ -25,7 +25,7 @@ def test_token_is_weights_are_capped_and_mismatch_counts_loss_tokens():
     algo = load_config(None, ["algorithm.rollout_is_cap=1.2"]).algorithm
     batch = _batch()
     mask_BT = batch.padded("loss_mask")
-    w_BT, metrics = importance_weights(batch, mask_BT, algo, "token")
+    w_BT, metrics = importance_weights(batch, mask_BT, algo, "token", algo.rollout_is_mode)
     # weight = exp(old - rollout): exp(-0.5) on the differing token, 1 elsewhere on loss tokens
     assert math.isclose(float(w_BT[0, 2]), math.exp(-0.5), rel_tol=1e-6)
     assert float(w_BT[0, 1]) == 1.0 and metrics["mismatch/is_capped_frac"] == 0.0

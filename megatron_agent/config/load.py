@@ -18,7 +18,6 @@ from typing import Any
 from megatron_agent.config.schema import Config, ConfigError
 from megatron_agent.config.validate import validate_config
 
-
 KEY_OF_FIELD = {"async_": "async"}
 """Fields whose name in YAML and overrides differs (a Python keyword cannot name a field)."""
 FIELD_OF_KEY = {key: name for name, key in KEY_OF_FIELD.items()}

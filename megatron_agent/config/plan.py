@@ -83,7 +83,9 @@ def rollout_is(cfg: Config) -> str:
 
 def rollout_is_mode(cfg: Config) -> str:
     """What happens to IS weights above the cap: the off-policy loss decides when one is set."""
-    return {"decoupled": "mask", "tis": "truncate"}.get(cfg.algorithm.off_policy_loss, cfg.algorithm.rollout_is_mode)
+    return {"decoupled": "mask", "tis": "truncate"}.get(
+        cfg.algorithm.off_policy_loss, cfg.algorithm.rollout_is_mode
+    )
 
 
 def old_logprobs_from_update(cfg: Config) -> bool:

@@ -84,7 +84,11 @@ class Trajectory:
     the other sources. A trajectory can span versions (a sync between its turns)."""
 
     def append(
-        self, ids: list[int], source: TokenSource, logprobs: list[float] | None = None, version: int | None = None
+        self,
+        ids: list[int],
+        source: TokenSource,
+        logprobs: list[float] | None = None,
+        version: int | None = None,
     ) -> None:
         """Append `ids` with one source; `logprobs` is required for, and only for, sampled ids,
         and `version` (the sampling weight version, default `weight_version`) only applies to them."""

@@ -16,7 +16,15 @@ import torch
 
 from megatron_agent.rollout.trajectory import Trajectory, build_training_batch
 
-PER_TARGET_KEYS = ("loss_mask", "rollout_logp", "policy_version", "old_logp", "ref_logp", "advantages", "is_weights")
+PER_TARGET_KEYS = (
+    "loss_mask",
+    "rollout_logp",
+    "policy_version",
+    "old_logp",
+    "ref_logp",
+    "advantages",
+    "is_weights",
+)
 
 
 @dataclass

@@ -15,7 +15,9 @@ Where old log-probs come from is decided once, in the plan (`RunPlan.old_logprob
 on-policy steps (one epoch, one mini-batch, no KL in the reward, no IS weights) take them from
 the update's own forward; otherwise the log-prob stage computes them. Only `rl_step` attaches
 the stages' products to the batch. `Trainer` (trainer.py) owns the workers; this file is the
-algorithm.
+algorithm. In an async run (`trainer.mode=async`) the rollout stage takes the batch admitted for
+this step (`admitted_rollouts`; train/async_rollouts.py), the step checks the staleness of its
+tokens, and the engines finish their admitted batches before the sync.
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
             adv = advantages(t, batch, rollouts, mask_BT, m)
             batch.set_padded("advantages", adv.adv_BT)
             if t.plan.rollout_is != "none":  # then the log-prob stage computed old log-probs
-                w_BT, is_m = importance_weights(batch, mask_BT, algo, t.plan.rollout_is, t.plan.rollout_is_mode)
+                w_BT, is_m = importance_weights(
+                    batch, mask_BT, algo, t.plan.rollout_is, t.plan.rollout_is_mode
+                )
                 batch.set_padded("is_weights", w_BT)
                 m.update(is_m)
 

@@ -88,11 +88,17 @@ ASYNC = ["trainer.mode=async", "algorithm.off_policy_loss=decoupled"]
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["trainer.mode=async"], "trainer.mode=async needs an off-policy correction: set algorithm.off_policy_loss"),
+        (
+            ["trainer.mode=async"],
+            "trainer.mode=async needs an off-policy correction: set algorithm.off_policy_loss",
+        ),
         ([*ASYNC, "async.max_staleness=-1"], "async.max_staleness=-1 must be >= 0"),
         ([*ASYNC, "algorithm.rollout_is=none"], "algorithm.rollout_is=none turns those weights off"),
         ([*ASYNC, "algorithm.dynamic_sampling=true"], "not supported with trainer.mode=async yet"),
-        (["async.max_stalenes=2"], "unknown config key 'async.max_stalenes'; did you mean 'async.max_staleness'"),
+        (
+            ["async.max_stalenes=2"],
+            "unknown config key 'async.max_stalenes'; did you mean 'async.max_staleness'",
+        ),
     ],
 )
 def test_async_settings_that_cannot_work_are_refused_at_load(overrides, message):
@@ -104,7 +110,9 @@ def test_the_off_policy_loss_sets_the_proximal_pass_and_the_weights():
     p = plan(*ASYNC, "async.max_staleness=2")
     assert (p.mode, p.max_staleness, p.rollout_is, p.rollout_is_mode) == ("async", 2, "token", "mask")
     assert not p.old_logprobs_from_update  # the proximal log-probs: a forward pass before the update
-    assert plan("algorithm.off_policy_loss=tis", "algorithm.rollout_is=sequence").rollout_is_mode == "truncate"
+    assert (
+        plan("algorithm.off_policy_loss=tis", "algorithm.rollout_is=sequence").rollout_is_mode == "truncate"
+    )
     assert plan("algorithm.off_policy_loss=tis", "algorithm.rollout_is=sequence").rollout_is == "sequence"
     assert plan("async.max_staleness=3").max_staleness == 0  # sync mode: no staleness
     assert plan().rollout_is_mode == "truncate" and plan().mode == "sync"

@@ -35,7 +35,13 @@ def reference_loss(logp, prox, behav, adv, mask, mode: str) -> float:
 def decoupled_loss(logp, prox, behav, adv, mask, mode: str) -> torch.Tensor:
     weights, _ = rollout_is_weights(behav, prox, mask, level="token", cap=CAP, mode=mode)
     loss, _ = compute_policy_loss(
-        logp, prox, adv, mask, clip_ratio_low=CLIP, clip_ratio_high=CLIP, clip_ratio_c=CLIP_C,
+        logp,
+        prox,
+        adv,
+        mask,
+        clip_ratio_low=CLIP,
+        clip_ratio_high=CLIP,
+        clip_ratio_c=CLIP_C,
         rollout_is_weights=weights,
     )
     return loss

@@ -61,8 +61,12 @@ def test_the_prompts_are_the_samplers_order_whatever_the_bound():
 
 def _batch(versions: list[list[int]]) -> RLBatch:
     rows = [torch.tensor(v, dtype=torch.float32) for v in versions]
-    batch = RLBatch(uids=["a", "b"], group_ids=["g", "g"], sequences=[[0] * (len(v) + 1) for v in versions],
-                    rewards=torch.zeros(2))
+    batch = RLBatch(
+        uids=["a", "b"],
+        group_ids=["g", "g"],
+        sequences=[[0] * (len(v) + 1) for v in versions],
+        rewards=torch.zeros(2),
+    )
     batch.tensors = {
         "policy_version": rows,
         "loss_mask": [(r >= 0).float() for r in rows],

@@ -1,0 +1,141 @@
+"""Synchronous vs asynchronous RL on the quickstart with a long-tailed tool, measured side by side.
+
+    .venv/bin/python bench/async.py [--steps 12] [--etas 1 2] [--out docs/async_curves.png] [key=value ...]
+
+One SFT warm start (the quickstart's, `sft` command) is shared by every run; then the quickstart's
+RL runs from it (`trainer.init_from`) three times in turn: `trainer.mode=sync` (the default loss,
+what a user runs today), and `trainer.mode=async` with `algorithm.off_policy_loss=decoupled` at
+each eta of `--etas`. Tool calls take a heavy-tailed time (bench/slow_tools.py: log-normal,
+median 20 ms). Per run, over its RL steps:
+
+    tokens/s       trained tokens (prompt + response) per second of step time
+    engine idle    share of step time the engines did not generate (sync: outside `gen`;
+                   async: `timing_s/wait_update`)
+    trainer idle   share of step time the trainer waited for rollouts (sync: `gen`;
+                   async: `timing_s/wait_rollout`)
+    steps to 0.9   first validated step with val/accuracy >= 0.9 (validation every 2 steps)
+
+The last line: `speedup_eta1=X speedup_eta2=Y steps_ratio_eta1=Z` (async tokens/s over sync's,
+and async's steps to 0.9 over sync's). `--out` draws the validation curves into one PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = "examples/quickstart/config.yaml"
+
+
+def run(cmd: list[str]) -> None:
+    """Run a CLI command in the repository; raise with its tail on failure."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))  # the workers load bench.slow_tools
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+
+
+def figures(run_dir: Path, mode: str) -> dict:
+    """tokens/s, idle shares, steps to 0.9 and the validation curve of one finished run."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] >= 1 and "timing_s/step" in r]
+    total = sum(r["timing_s/step"] for r in steps)
+    tokens = sum(r["perf/throughput"] * r["timing_s/step"] for r in steps)
+    if mode == "sync":
+        engine_idle = sum(r["timing_s/step"] - r["timing_s/gen"] for r in steps)
+        trainer_idle = sum(r["timing_s/gen"] for r in steps)
+    else:
+        engine_idle = sum(r["timing_s/wait_update"] for r in steps)
+        trainer_idle = sum(r["timing_s/wait_rollout"] for r in steps)
+    curve = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r and r["step"] >= 0]
+    reached = next((s for s, acc in curve if acc >= 0.9), None)
+    return {
+        "tokens_per_s": tokens / total,
+        "engine_idle": engine_idle / total,
+        "trainer_idle": trainer_idle / total,
+        "steps_to_0.9": reached,
+        "curve": curve,
+        "step_s": total / len(steps),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--etas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--out", default="")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    py = sys.executable
+    common = [
+        f"trainer.total_steps={args.steps}",
+        "trainer.test_freq=2",
+        "tools.enabled=[bench.slow_tools.SlowCalculator]",
+        "logging.plot=false",
+        "logging.progress_bars=false",
+        "checkpoint.save_freq=0",
+        *args.overrides,
+    ]
+    with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
+        sft_dir = Path(tmp) / "sft"
+        run([py, "-m", "megatron_agent", "sft", "--config", CONFIG, f"trainer.run_dir={sft_dir}", *common])
+        init = [f"trainer.init_from={sft_dir / 'sft' / 'checkpoint'}", "sft.steps=0"]
+        modes = {"sync": []} | {
+            f"eta{eta}": [
+                "trainer.mode=async",
+                f"async.max_staleness={eta}",
+                "algorithm.off_policy_loss=decoupled",
+            ]
+            for eta in args.etas
+        }
+        results = {}
+        for name, extra in modes.items():
+            run_dir = Path(tmp) / name
+            base = [py, "-m", "megatron_agent", "train", "--config", CONFIG, f"trainer.run_dir={run_dir}"]
+            run(base + common + init + extra)
+            results[name] = figures(run_dir, "sync" if name == "sync" else "async")
+    print(
+        f"{'run':8s} {'tokens/s':>9s} {'step s':>7s} {'engine idle':>12s} {'trainer idle':>13s} {'steps to 0.9':>13s}"
+    )
+    for name, r in results.items():
+        print(
+            f"{name:8s} {r['tokens_per_s']:9.1f} {r['step_s']:7.2f} {r['engine_idle']:12.2f} "
+            f"{r['trainer_idle']:13.2f} {str(r['steps_to_0.9']):>13s}"
+        )
+    for name, r in results.items():
+        print(f"curve {name}: " + " ".join(f"{s}:{a:.2f}" for s, a in r["curve"]))
+    if args.out:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        for name, r in results.items():
+            ax.plot(*zip(*r["curve"]), marker="o", label=name)
+        ax.set(xlabel="RL step", ylabel="val/accuracy", title="quickstart, long-tailed calculator")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.out, dpi=100)
+    sync = results["sync"]
+
+    def ratio(name: str, key: str) -> str:
+        if name not in results or results[name][key] is None or sync[key] is None:
+            return "nan"
+        a, b = results[name][key], sync[key]
+        return f"{(a / b if key == 'tokens_per_s' else a / max(b, 1)):.2f}"
+
+    print(
+        f"speedup_eta1={ratio('eta1', 'tokens_per_s')} speedup_eta2={ratio('eta2', 'tokens_per_s')} "
+        f"steps_ratio_eta1={ratio('eta1', 'steps_to_0.9')}"
+    )
+
+
+if __name__ == "__main__":
+    main()

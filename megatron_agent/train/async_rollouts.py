@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from megatron_agent.rollout.trajectory import Trajectory
+from megatron_agent.train.cluster import WorkerDiedError
 from megatron_agent.train.run_state import rollout_seed
 
 
@@ -67,9 +68,14 @@ class RolloutPipeline:
     def _submit(self, step: int) -> None:
         cfg, t = self.t.cfg, self.t
         indices = t.sampler.next_batch(cfg.data.train_batch_size)
-        t.reseed_engines(rollout_seed(cfg.rollout.seed, step), step, wait=False)
-        pending = t.submit_rollout([t.train_tasks[i] for i in indices], cfg.rollout.n)
-        extras = (t.engines.submit("tool_metrics"), t.engines.submit("idle_seconds"))
+        reseed = (rollout_seed(cfg.rollout.seed, step), step)
+        t.reseed_engines(*reseed, wait=False)
+        pending = t.submit_rollout([t.train_tasks[i] for i in indices], cfg.rollout.n, reseed=reseed)
+        ranks = range(len(t.engines))  # one call per engine: a dead engine's are skipped
+        extras = [
+            (t.engines.submit("tool_metrics", ranks=[r]), t.engines.submit("idle_seconds", ranks=[r]))
+            for r in ranks
+        ]
         self.batches.append(AdmittedBatch(step, indices, pending, extras))
         self.admitted = step
 
@@ -94,13 +100,19 @@ class RolloutPipeline:
         if batch.trajectories is not None:
             return
         batch.trajectories = batch.pending.result()
-        tools, idle = (call.result() for call in batch.extras)
+        tools, idle = [], []
+        for tool_call, idle_call in batch.extras:
+            try:
+                tools += tool_call.result()
+                idle += idle_call.result()
+            except WorkerDiedError:  # the engine died after its share (replaced by then)
+                pass
         merged: dict[str, float] = {}
         for m in tools:
             if "tool/unsandboxed" in m:
                 merged["tool/unsandboxed"] = merged.get("tool/unsandboxed", 0.0) + m["tool/unsandboxed"]
                 merged["tool/sandboxed"] = min(merged.get("tool/sandboxed", 1.0), m["tool/sandboxed"])
-        merged["timing_s/wait_update"] = sum(idle) / len(idle)
+        merged["timing_s/wait_update"] = sum(idle) / max(len(idle), 1)
         batch.engine_metrics, batch.pending, batch.extras = merged, None, None
 
     # ----------------------------------------------------------------------------- resume

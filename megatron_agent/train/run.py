@@ -200,7 +200,7 @@ class Run:
         done = restore_driver_state(trainer, run_log, state)
         saver.last_saved = done
         saver.num_errors = int(state["history"][-1].get("checkpoint/save_errors", 0))
-        trainer.engines.call("set_weight_version", done)  # as if steps 1..done had synced
+        trainer.actor_version = done + 1  # as if steps 1..done had synced (the sync labels it)
         trainer.sync()
         print(f"resumed from {resume_dir} (step {done}); continuing at step {done + 1}")
         return done

@@ -18,6 +18,7 @@ import torch
 from megatron_agent.config import Config, ConfigError, RunPlan, config_to_dict, make_plan
 from megatron_agent.data.sampler import PromptSampler
 from megatron_agent.data.tasks import Task
+from megatron_agent.platform.cpus import CORE_SETS_ENV, available_cores, encode_core_sets, split_cores
 from megatron_agent.rl.kl_controller import make_kl_controller
 from megatron_agent.train.batch import RLBatch
 from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup
@@ -83,6 +84,7 @@ class Trainer:
         self.engines: WorkerGroup | None = None
         self.engine_restarts = 0  # engines replaced in this run (rollout/engine_restarts)
         self.weight_version = 0  # the engines' weight version after the latest sync
+        self.actor_version = 1  # the version the actor's weights take at their next sync
         self._engine_reseed: tuple = ()  # the latest reseed, replayed into a replacement engine
 
     # ----------------------------------------------------------------------------- data
@@ -146,6 +148,17 @@ class Trainer:
         log_dir = self.run_dir / "logs"
         timeout = cfg.trainer.worker_timeout_s
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))} if not on_gpu else {}
+        engine_env = engine_process_env()
+        # eta = 0 overlaps nothing: it keeps the sync run's threads, and so its numerics.
+        overlaps = self.plan.mode == "async" and self.plan.max_staleness > 0
+        split = split_cores(available_cores(), cfg.rollout.num_engines, world) if overlaps else None
+        if split is not None and not on_gpu:  # async on CPU: engines and ranks compute at once
+            engine_sets, rank_sets = split
+            env = {"OMP_NUM_THREADS": str(len(rank_sets[0])), CORE_SETS_ENV: encode_core_sets(rank_sets)}
+            engine_env = {**engine_env, CORE_SETS_ENV: encode_core_sets(engine_sets)}
+            logger.info(
+                "async on CPU: engines on cores %s, Megatron ranks on cores %s", engine_sets, rank_sets
+            )
         self.actors = WorkerGroup(
             actor_cls or MegatronWorker,
             world,
@@ -170,7 +183,7 @@ class Trainer:
             num_gpus=cfg.rollout.tp if on_gpu and not cfg.rollout.colocate else 0,
             init_args=(cfg_dict, plan_dict),
             timeout_s=timeout,
-            env_vars=engine_process_env(),
+            env_vars=engine_env,
         )
         self.engines.call("ping")
         self.actors.call("connect_engines", self.engines.workers)
@@ -195,12 +208,16 @@ class Trainer:
         """`n` trajectories per task, tasks split across the engines; task-major order."""
         return self.submit_rollout(tasks, n, greedy=greedy).result()
 
-    def submit_rollout(self, tasks: list[Task], n: int, *, greedy: bool = False) -> PendingRollout:
+    def submit_rollout(
+        self, tasks: list[Task], n: int, *, greedy: bool = False, reseed=None
+    ) -> PendingRollout:
         """Start `rollout` on the engines and return at once; `.result()` collects it. Calls on an
-        engine run in the order they were submitted (an async run queues several steps)."""
+        engine run in the order they were submitted (an async run queues several steps).
+        `reseed`: the `reseed` arguments this rollout was submitted after (an async run's), given
+        again to an engine that replaces a dead one before it rolls the share out again."""
         num = len(self.engines)
         parts = [tasks[i::num] for i in range(num)]
-        return PendingRollout(self, tasks, parts, n, greedy)
+        return PendingRollout(self, tasks, parts, n, greedy, reseed)
 
     def replace_engines(self, dead: list[WorkerDiedError]) -> None:
         """Start a new engine for each dead one (same rank and config), reconnect the actor's
@@ -235,8 +252,11 @@ class Trainer:
             self.engines.call("reseed", *self._engine_reseed, ranks=ranks)
         self.actors.call("connect_engines", self.engines.workers)
         if self.weight_version > 0:  # else every engine still serves the initial weights
-            # Every engine to version - 1, so that this sync (into all of them) ends at `version`.
-            self.engines.call("set_weight_version", self.weight_version - 1)
+            # Every engine to the actor's version - 1, so that this sync (into all of them) ends at
+            # the actor's version: the version the engines had, or the next one when the actor has
+            # updated since (an async run's engine that died while the update ran).
+            self.engines.call("set_weight_version", self.actor_version - 1)
+            self.weight_version = self.actor_version - 1
             m = self.sync()
             logger.warning(
                 "rollout engines %s: weights version %d synced (sync/verified=%d, probe max abs diff "
@@ -303,12 +323,20 @@ class Trainer:
             for key, name in (("old", "old_logp"), ("entropy", "entropy"))
             if captured
         }
+        self.actor_version = self.weight_version + 1  # what this update makes, at its sync
         return combine_replicas(results), tensors
 
     def sync(self) -> dict[str, float]:
-        """Push the actor's weights into every engine, verified (collective over the Megatron world)."""
+        """Push the actor's weights into every engine, verified (collective over the Megatron
+        world); the engines then hold `actor_version`."""
+        if self.weight_version != self.actor_version - 1:  # a resume, or weights already synced
+            self.engines.call("set_weight_version", self.actor_version - 1)
         metrics = self.actors.call("sync_weights")[0]
         self.weight_version = int(metrics["sync/weight_version"])
+        if self.weight_version != self.actor_version:
+            raise RuntimeError(
+                f"the sync left the engines at version {self.weight_version}, not {self.actor_version}"
+            )
         return metrics
 
 
@@ -316,15 +344,23 @@ class PendingRollout:
     """A rollout submitted to the engines (`Trainer.submit_rollout`).
 
     An engine whose process dies meanwhile is replaced (`Trainer.replace_engines`) and its whole
-    share is rolled out again on the new one (its partial trajectories are lost with it)."""
+    share is rolled out again on the new one (its partial trajectories are lost with it). In an
+    async run later rollouts were queued on the dead engine too: they find it replaced already
+    and resubmit to the new one, after their own `reseed` (the seeds of their step)."""
 
-    def __init__(self, trainer: Trainer, tasks: list[Task], parts: list[list[Task]], n: int, greedy: bool):
+    def __init__(
+        self, trainer: Trainer, tasks: list[Task], parts: list[list[Task]], n: int, greedy: bool, reseed=None
+    ):
         self.trainer, self.tasks, self.parts, self.n, self.greedy = trainer, tasks, parts, n, greedy
+        self.reseed = reseed
         self.pending = {i: (parts[i], n, greedy) for i in range(len(parts)) if parts[i]}
         self.calls = self._submit()
 
-    def _submit(self) -> dict:
+    def _submit(self, again: bool = False) -> dict:
         engines = self.trainer.engines
+        if again and self.reseed is not None:
+            engines.submit("reseed", *self.reseed, ranks=list(self.pending))
+        self.handles = {rank: engines.workers[rank] for rank in self.pending}
         return {rank: engines.submit("generate", *a, ranks=[rank]) for rank, a in self.pending.items()}
 
     def result(self) -> list:
@@ -340,10 +376,12 @@ class PendingRollout:
                         bar.update(len(results[rank]))
                     except WorkerDiedError as exc:  # an exception raised inside it stays an error
                         dead.append(exc)
-                if dead:
-                    self.trainer.replace_engines(dead)
+                current = self.trainer.engines.workers
+                still_there = [exc for exc in dead if current[exc.rank] is self.handles[exc.rank]]
+                if still_there:  # else replaced already, for an earlier rollout queued on it
+                    self.trainer.replace_engines(still_there)
                 self.pending = {exc.rank: self.pending[exc.rank] for exc in dead}
-                self.calls = self._submit() if self.pending else {}
+                self.calls = self._submit(again=True) if self.pending else {}
         by_task = {}
         for rank, trajs in sorted(results.items()):
             for k, task in enumerate(self.parts[rank]):

@@ -90,3 +90,21 @@ def test_eta_1_trains_one_version_behind_and_resumes_exactly(tmp_path):
     for step in range(1, STEPS + 1):
         _assert_same_step(got[0][step], want[0][step], step)
         _assert_same_dump(got[1][step], want[1][step], step)
+
+
+def test_an_engine_killed_while_the_actor_updates_rolls_out_again_under_honest_versions(tmp_path):
+    # eta = 1: batch 4 generates (at version 3) while step 3 updates. Engine 0 kills itself in
+    # that rollout; the drain before step 3's sync finds it dead, starts a new engine and syncs
+    # the updated weights into every engine as version 4 (not as 3: the actor moved on), and
+    # engine 0's share of batch 4 is rolled out again under them.
+    run_dir = tmp_path / "killed_engine"
+    mode = ["trainer.mode=async", "async.max_staleness=1", "rollout.num_engines=2", "actor.lr=1e-3"]
+    _train(run_dir, *DECOUPLED, *mode, "debug.kill_engine_at_step=3")
+    metrics, dumps, rows = _comparable(run_dir)
+    last = {r["step"]: r for r in rows}
+    assert last[STEPS]["rollout/engine_restarts"] == 1
+    engine0, engine1 = dumps[4][:2], dumps[4][2:]  # one prompt per engine, rollout.n=2 each
+    assert _versions(engine0) == {4} and _versions(engine1) == {3}
+    # Labelled 4, sampled by the weights that step 4 trains from: engine and trainer agree.
+    assert last[4]["mismatch/staleness_0/abs_diff_mean"] < 1e-4
+    assert last[4]["mismatch/staleness_1/abs_diff_mean"] > 10 * last[4]["mismatch/staleness_0/abs_diff_mean"]

@@ -2,8 +2,6 @@
 that records what would be submitted to the engines: how many batches are ahead, in which
 order, and the check that refuses a token older than the bound."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -12,6 +10,17 @@ from megatron_agent.data.sampler import PromptSampler
 from megatron_agent.train.async_rollouts import RolloutPipeline
 from megatron_agent.train.batch import RLBatch
 from megatron_agent.train.rl_loop import staleness_metrics
+
+
+class Engines(list):
+    """One engine that records the calls queued on it."""
+
+    def __init__(self, calls):
+        super().__init__([None])
+        self.calls = calls
+
+    def submit(self, method, ranks=None):
+        self.calls.append(method)
 
 
 class Recorder:
@@ -25,13 +34,13 @@ class Recorder:
         self.sampler = PromptSampler(16, seed=0, shuffle=True)
         self.train_tasks = list(range(16))
         self.calls: list = []
-        self.engines = SimpleNamespace(submit=lambda method: self.calls.append(method))
+        self.engines = Engines(self.calls)
 
     def reseed_engines(self, seed, step, wait=True):
         assert not wait  # queued before the batch's generation, never waited for
         self.calls.append(("reseed", step))
 
-    def submit_rollout(self, tasks, n):
+    def submit_rollout(self, tasks, n, reseed=None):
         self.calls.append(("generate", tuple(tasks), n))
 
 

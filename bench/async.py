@@ -55,7 +55,12 @@ def figures(run_dir: Path, mode: str) -> dict:
         trainer_idle = sum(r["timing_s/wait_rollout"] for r in steps)
     curve = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r and r["step"] >= 0]
     reached = next((s for s, acc in curve if acc >= 0.9), None)
+    phases = {
+        k: sum(r.get(f"timing_s/{k}", 0.0) for r in steps) / len(steps)
+        for k in ("gen", "old_log_prob", "update_actor", "update_weights")
+    }
     return {
+        "phases": phases,
         "tokens_per_s": tokens / total,
         "engine_idle": engine_idle / total,
         "trainer_idle": trainer_idle / total,
@@ -108,6 +113,8 @@ def main() -> None:
             f"{name:8s} {r['tokens_per_s']:9.1f} {r['step_s']:7.2f} {r['engine_idle']:12.2f} "
             f"{r['trainer_idle']:13.2f} {str(r['steps_to_0.9']):>13s}"
         )
+    for name, r in results.items():
+        print(f"mean s per step, {name}: " + " ".join(f"{k}={v:.2f}" for k, v in r["phases"].items()))
     for name, r in results.items():
         print(f"curve {name}: " + " ".join(f"{s}:{a:.2f}" for s, a in r["curve"]))
     if args.out:

@@ -18,7 +18,6 @@ import torch
 
 from megatron_agent.config import Config, RunPlan, config_from_dict
 from megatron_agent.models.build import BuildOptions
-from megatron_agent.platform.cpus import apply_core_set
 from megatron_agent.train.drills import DrillPlan, Drills
 
 
@@ -84,7 +83,7 @@ class MegatronWorker:
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK="0",  # Ray gives each actor its own CUDA_VISIBLE_DEVICES
         )
-        if not has_cuda() and not apply_core_set(self.rank):  # an async run's own cores, else a share
+        if not has_cuda():
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
         p = cfg.parallel
         init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.trainer.seed)

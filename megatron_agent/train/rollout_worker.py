@@ -13,7 +13,6 @@ import os
 import time
 
 from megatron_agent.config import RunPlan, config_from_dict
-from megatron_agent.platform.cpus import apply_core_set
 from megatron_agent.train.drills import DrillPlan, Drills
 
 
@@ -31,7 +30,6 @@ class RolloutWorker:
         run_dir = cfg.trainer.run_dir
         os.environ.setdefault("TMPDIR", run_dir)
         self.drills = Drills(DrillPlan.from_config(cfg))  # no-ops unless debug.* is set
-        apply_core_set(rank)  # an async run on CPU: this engine's own cores (before vLLM starts)
         processors = self.drills.engine_logits_processors()
         self.engine = build_engine(cfg, plan.model_path, cache_dir=run_dir, logits_processors=processors)
         hook = self.drills.turn_hook(self.engine.tokenizer)

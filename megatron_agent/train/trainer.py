@@ -18,7 +18,6 @@ import torch
 from megatron_agent.config import Config, ConfigError, RunPlan, config_to_dict, make_plan
 from megatron_agent.data.sampler import PromptSampler
 from megatron_agent.data.tasks import Task
-from megatron_agent.platform.cpus import CORE_SETS_ENV, available_cores, encode_core_sets, split_cores
 from megatron_agent.rl.kl_controller import make_kl_controller
 from megatron_agent.train.batch import RLBatch
 from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup
@@ -148,17 +147,6 @@ class Trainer:
         log_dir = self.run_dir / "logs"
         timeout = cfg.trainer.worker_timeout_s
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))} if not on_gpu else {}
-        engine_env = engine_process_env()
-        # eta = 0 overlaps nothing: it keeps the sync run's threads, and so its numerics.
-        overlaps = self.plan.mode == "async" and self.plan.max_staleness > 0
-        split = split_cores(available_cores(), cfg.rollout.num_engines, world) if overlaps else None
-        if split is not None and not on_gpu:  # async on CPU: engines and ranks compute at once
-            engine_sets, rank_sets = split
-            env = {"OMP_NUM_THREADS": str(len(rank_sets[0])), CORE_SETS_ENV: encode_core_sets(rank_sets)}
-            engine_env = {**engine_env, CORE_SETS_ENV: encode_core_sets(engine_sets)}
-            logger.info(
-                "async on CPU: engines on cores %s, Megatron ranks on cores %s", engine_sets, rank_sets
-            )
         self.actors = WorkerGroup(
             actor_cls or MegatronWorker,
             world,
@@ -183,7 +171,7 @@ class Trainer:
             num_gpus=cfg.rollout.tp if on_gpu and not cfg.rollout.colocate else 0,
             init_args=(cfg_dict, plan_dict),
             timeout_s=timeout,
-            env_vars=engine_env,
+            env_vars=engine_process_env(),
         )
         self.engines.call("ping")
         self.actors.call("connect_engines", self.engines.workers)

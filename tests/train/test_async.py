@@ -108,3 +108,13 @@ def test_an_engine_killed_while_the_actor_updates_rolls_out_again_under_honest_v
     # Labelled 4, sampled by the weights that step 4 trains from: engine and trainer agree.
     assert last[4]["mismatch/staleness_0/abs_diff_mean"] < 1e-4
     assert last[4]["mismatch/staleness_1/abs_diff_mean"] > 10 * last[4]["mismatch/staleness_0/abs_diff_mean"]
+
+
+def test_eta_2_trains_two_versions_behind_at_most(tmp_path):
+    run_dir = tmp_path / "eta2"
+    _train(run_dir, *DECOUPLED, "trainer.mode=async", "async.max_staleness=2")
+    _, dumps, rows = _comparable(run_dir)
+    for step in range(1, STEPS + 1):
+        # Batch k is admitted at the start of step k - 2 (version k - 2), or at the start.
+        assert _versions(dumps[step]) == {max(1, step - 2)}, step
+    assert max(r.get("async/staleness/max", 0) for r in rows) == 2

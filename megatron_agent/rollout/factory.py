@@ -12,17 +12,13 @@ ENGINES = ("vllm", "hf")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def build_engine(cfg: Config, model_path: str, cache_dir: str | None = None, logits_processors=()):
-    """The rollout engine named by `cfg.rollout.engine` on the HF folder `model_path` (vLLM gets
-    the V1 `logits_processors` classes, e.g. for a scripted first turn)."""
+def engine_kwargs(cfg: Config, cache_dir: str | None = None, logits_processors=()) -> dict:
+    """Keyword arguments of the engine class of `cfg.rollout.engine` (besides the model folder)."""
     dtype = _DTYPES.get(cfg.model.dtype)
     if dtype is None:
         raise ValueError(f"model.dtype={cfg.model.dtype!r}: choose one of {sorted(_DTYPES)}")
     if cfg.rollout.engine == "vllm":
-        from megatron_agent.rollout.engine import VLLMEngine
-
-        return VLLMEngine(
-            model_path,
+        return dict(
             dtype=dtype,
             tp=cfg.rollout.tp,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
@@ -37,15 +33,24 @@ def build_engine(cfg: Config, model_path: str, cache_dir: str | None = None, log
     if cfg.rollout.engine == "hf":
         if cfg.rollout.quantization:
             raise ValueError("rollout.quantization needs rollout.engine=vllm")
-        import logging
-
-        from megatron_agent.rollout.hf_engine import HFEngine
-
-        logging.getLogger(__name__).warning(
-            "rollout.engine=hf is a slow debugging aid; use vllm for real runs"
-        )
-        return HFEngine(model_path, dtype=dtype, seed=cfg.rollout.seed)
+        return dict(dtype=dtype, seed=cfg.rollout.seed)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: choose one of {ENGINES}")
+
+
+def build_engine(cfg: Config, model_path: str, cache_dir: str | None = None, logits_processors=()):
+    """The rollout engine named by `cfg.rollout.engine` on the HF folder `model_path` (vLLM gets
+    the V1 `logits_processors` classes, e.g. for a scripted first turn)."""
+    kwargs = engine_kwargs(cfg, cache_dir, logits_processors)
+    if cfg.rollout.engine == "vllm":
+        from megatron_agent.rollout.engine import VLLMEngine
+
+        return VLLMEngine(model_path, **kwargs)
+    import logging
+
+    from megatron_agent.rollout.hf_engine import HFEngine
+
+    logging.getLogger(__name__).warning("rollout.engine=hf is a slow debugging aid; use vllm for real runs")
+    return HFEngine(model_path, **kwargs)
 
 
 def build_toolset(

@@ -124,63 +124,21 @@ class PPOUpdate:
         info = parallel_info()
         mine = dp_shard(indices, info.dp_rank, info.dp_size)
         sub = batch.select(mine)
-        keys = [
-            k
-            for k in ("loss_mask", "rollout_logp", "old_logp", "ref_logp", "advantages", "is_weights")
-            if k in sub.tensors
-        ]
-        micro_batches = make_micro_batches(
-            sub.sequences,
-            max_tokens=self.actor.micro_batch_tokens,
-            extras={k: sub.tensors[k] for k in keys},
-            device=device(),
-        )
+        micro_batches = self.micro_batches(sub, device())
         counts = global_batch_counts(
             [mb.extras["loss_mask"].bool() for mb in micro_batches], group=ps.get_data_parallel_group()
         )
-        algo, sums = self.algo, {}
-        use_entropy = algo.entropy_coef != 0.0
+        sums = {}
+        use_entropy = self.algo.entropy_coef != 0.0
 
         def loss_fn(mb, logp_BT, entropy_BT):
             mask = mb.extras["loss_mask"].bool() & mb.valid_BT
             if self.old_from_update:
                 mb.extras["old_logp"] = logp_BT.detach()
                 self._capture(mb, [mine[i] for i in mb.indices], entropy_BT)
-            norm = dict(num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, horizon=self.horizon)
-            loss, m = compute_policy_loss(
-                logp_BT,
-                mb.extras["old_logp"],
-                mb.extras["advantages"],
-                mask,
-                clip_ratio_low=algo.clip_ratio_low,
-                clip_ratio_high=algo.clip_ratio_high,
-                clip_ratio_c=algo.clip_ratio_c,
-                log_ratio_clamp=algo.log_ratio_clamp,
-                loss_agg_mode=algo.loss_agg_mode,
-                rollout_is_weights=mb.extras.get("is_weights"),
-                loss_mode=algo.policy_loss_mode,
-                **norm,
+            loss, metrics = self.objective(
+                mb.extras, logp_BT, entropy_BT, mask, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs
             )
-            num_local = mask.sum().float()
-            metrics = {
-                "actor/pg_loss": m["pg_loss"],
-                "n_tokens": num_local,
-                "actor/pg_clipfrac": m["pg_clipfrac"] * num_local,
-                "actor/ppo_kl": m["ppo_kl"] * num_local,
-            }
-            if algo.kl_loss_coef:
-                kl, _ = compute_kl_loss(
-                    logp_BT,
-                    mb.extras["ref_logp"],
-                    mask,
-                    estimator=algo.kl_loss_estimator,
-                    loss_agg_mode=algo.loss_agg_mode,
-                    **norm,
-                )
-                loss = loss + algo.kl_loss_coef * kl
-                metrics["actor/kl_loss"] = kl.detach()
-            if use_entropy:
-                loss = loss - algo.entropy_coef * agg_loss(entropy_BT, mask, algo.loss_agg_mode, **norm)
             rollout = torch.where(mask, mb.extras["rollout_logp"], float("nan"))
             self.guard.observe(
                 GuardBatch(
@@ -234,6 +192,60 @@ class PPOUpdate:
             for key, value in decision.metrics.items():
                 sums[key] = float(value)
         return sums
+
+    def micro_batches(self, sub: RLBatch, device) -> list:
+        """`sub`'s sequences in micro-batches of `actor.micro_batch_tokens`, with the loss's tensors."""
+        keys = [
+            k
+            for k in ("loss_mask", "rollout_logp", "old_logp", "ref_logp", "advantages", "is_weights")
+            if k in sub.tensors
+        ]
+        return make_micro_batches(
+            sub.sequences,
+            max_tokens=self.actor.micro_batch_tokens,
+            extras={k: sub.tensors[k] for k in keys},
+            device=device,
+        )
+
+    def objective(self, extras: dict, logp_BT, entropy_BT, mask, *, num_tokens, num_seqs) -> tuple:
+        """(loss, metrics) of one micro-batch (`algorithm`'s policy loss, KL loss and entropy bonus)."""
+        algo = self.algo
+        norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.horizon)
+        loss, m = compute_policy_loss(
+            logp_BT,
+            extras["old_logp"],
+            extras["advantages"],
+            mask,
+            clip_ratio_low=algo.clip_ratio_low,
+            clip_ratio_high=algo.clip_ratio_high,
+            clip_ratio_c=algo.clip_ratio_c,
+            log_ratio_clamp=algo.log_ratio_clamp,
+            loss_agg_mode=algo.loss_agg_mode,
+            rollout_is_weights=extras.get("is_weights"),
+            loss_mode=algo.policy_loss_mode,
+            **norm,
+        )
+        num_local = mask.sum().float()
+        metrics = {
+            "actor/pg_loss": m["pg_loss"],
+            "n_tokens": num_local,
+            "actor/pg_clipfrac": m["pg_clipfrac"] * num_local,
+            "actor/ppo_kl": m["ppo_kl"] * num_local,
+        }
+        if algo.kl_loss_coef:
+            kl, _ = compute_kl_loss(
+                logp_BT,
+                extras["ref_logp"],
+                mask,
+                estimator=algo.kl_loss_estimator,
+                loss_agg_mode=algo.loss_agg_mode,
+                **norm,
+            )
+            loss = loss + algo.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.detach()
+        if algo.entropy_coef != 0.0:
+            loss = loss - algo.entropy_coef * agg_loss(entropy_BT, mask, algo.loss_agg_mode, **norm)
+        return loss, metrics
 
     def _capture(self, mb, batch_indices: list[int], entropy_BT) -> None:
         """Keep each row's old log-probs and entropy [L-1] (the step's `old_logp` and `entropy`)."""

@@ -36,6 +36,62 @@ def build_options(cfg: Config) -> BuildOptions:
     )
 
 
+def optimizer_config(cfg: Config):
+    """The actor's `OptimConfig` (the `actor` section): learning rate, decay, clip, sharding."""
+    from megatron_agent.models.policy import OptimConfig
+
+    a = cfg.actor
+    return OptimConfig(
+        lr=a.lr,
+        weight_decay=a.weight_decay,
+        grad_clip=a.grad_clip,
+        use_distributed_optimizer=a.use_distributed_optimizer,
+    )
+
+
+def scheduler_options(cfg: Config, total_optimizer_steps: int) -> dict:
+    """Keyword arguments of the actor's `OptimizerParamScheduler` for a run of `total_optimizer_steps`."""
+    a = cfg.actor
+    decay = a.lr_decay  # a Literal of the config: checked when it was loaded
+    min_lr = a.min_lr if decay != "constant" else a.lr
+    return dict(
+        init_lr=0.0 if a.lr_warmup_steps else a.lr,
+        max_lr=a.lr,
+        min_lr=min_lr,
+        lr_warmup_steps=a.lr_warmup_steps,
+        lr_decay_steps=max(total_optimizer_steps, a.lr_warmup_steps + 1),
+        lr_decay_style=decay,
+        start_wd=a.weight_decay,
+        end_wd=a.weight_decay,
+        wd_incr_steps=max(total_optimizer_steps, 1),
+        wd_incr_style="constant",
+    )
+
+
+def ppo_update(cfg: Config, plan: RunPlan, model, scheduler, *, console: bool):
+    """The RL update of `model`: its step guard (`algorithm.guard_*`) and the `PPOUpdate`."""
+    from megatron_agent.rl import StepGuard
+    from megatron_agent.train.actor_update import PPOUpdate
+
+    guard = StepGuard.from_config(cfg.algorithm, cfg.trainer.run_dir)
+    guard.console = console
+    return PPOUpdate(
+        model,
+        cfg.algorithm,
+        cfg.actor,
+        guard,
+        scheduler,
+        horizon=cfg.rollout.max_total_tokens,
+        old_from_update=plan.old_logprobs_from_update,
+        chunk_tokens=cfg.model.logprob_chunk_tokens,
+    )
+
+
+def rollout_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the rollout engines serve (`model.dtype`): what the weight sync sends."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.model.dtype]
+
+
 class MegatronWorker:
     """A Megatron rank holding the actor and the reference model."""
 
@@ -115,42 +171,13 @@ class MegatronWorker:
         """Create the PPO update (guard, LR schedule) for a run of `total_optimizer_steps`."""
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_agent.rl import StepGuard
-        from megatron_agent.train.actor_update import PPOUpdate
-
-        cfg = self.cfg
-        a = cfg.actor
-        decay = a.lr_decay  # a Literal of the config: checked when it was loaded
-        min_lr = a.min_lr if decay != "constant" else a.lr
+        options = scheduler_options(self.cfg, total_optimizer_steps)
         for group in self.actor.optimizer.param_groups:
             # Megatron's param groups carry min_lr=None (OptimizerConfig.min_lr), which the
             # scheduler prefers over its own argument: a linear or cosine decay then fails.
-            group["max_lr"], group["min_lr"] = a.lr, min_lr
-        scheduler = OptimizerParamScheduler(
-            self.actor.optimizer,
-            init_lr=0.0 if a.lr_warmup_steps else a.lr,
-            max_lr=a.lr,
-            min_lr=min_lr,
-            lr_warmup_steps=a.lr_warmup_steps,
-            lr_decay_steps=max(total_optimizer_steps, a.lr_warmup_steps + 1),
-            lr_decay_style=decay,
-            start_wd=a.weight_decay,
-            end_wd=a.weight_decay,
-            wd_incr_steps=max(total_optimizer_steps, 1),
-            wd_incr_style="constant",
-        )
-        guard = StepGuard.from_config(cfg.algorithm, cfg.trainer.run_dir)
-        guard.console = self.rank == 0
-        self.update = PPOUpdate(
-            self.actor,
-            cfg.algorithm,
-            a,
-            guard,
-            scheduler,
-            horizon=cfg.rollout.max_total_tokens,
-            old_from_update=self.plan.old_logprobs_from_update,
-            chunk_tokens=cfg.model.logprob_chunk_tokens,
-        )
+            group["max_lr"], group["min_lr"] = options["max_lr"], options["min_lr"]
+        scheduler = OptimizerParamScheduler(self.actor.optimizer, **options)
+        self.update = ppo_update(self.cfg, self.plan, self.actor, scheduler, console=self.rank == 0)
 
     def logprobs(
         self, sequences: list[list[int]], with_old: bool = True, with_ref: bool = True
@@ -225,16 +252,8 @@ class MegatronWorker:
     def _new_actor(self, opts):
         """The trainable actor from `self.model_path` with a fresh optimizer (the `actor` section)."""
         from megatron_agent.build_policy import policy_from_hf
-        from megatron_agent.models.policy import OptimConfig
 
-        a = self.cfg.actor
-        optim = OptimConfig(
-            lr=a.lr,
-            weight_decay=a.weight_decay,
-            grad_clip=a.grad_clip,
-            use_distributed_optimizer=a.use_distributed_optimizer,
-        )
-        return policy_from_hf(self.model_path, opts, trainable=True, optim=optim)
+        return policy_from_hf(self.model_path, opts, trainable=True, optim=optimizer_config(self.cfg))
 
     def restart_from(self, ckpt_dir: str) -> None:
         """Actor (with a fresh optimizer) and reference both from `ckpt_dir` (after SFT)."""
@@ -247,11 +266,12 @@ class MegatronWorker:
         """Create the weight sender towards the rollout engines (Ray actor handles)."""
         from megatron_agent.sync import RayEndpoint, WeightSender
 
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.cfg.model.dtype]
         endpoints = [RayEndpoint(h) for h in engine_handles]
         if self.sender is not None:  # reconnecting (a replaced engine): free its shared segment
             self.sender.close()
-        self.sender = WeightSender(self.actor, self.cfg.sync, endpoints, rollout_dtype=dtype)
+        self.sender = WeightSender(
+            self.actor, self.cfg.sync, endpoints, rollout_dtype=rollout_dtype(self.cfg)
+        )
 
     def close_sync(self) -> None:
         """Free the sync's shared memory (a killed actor cannot: Ray skips its exit handlers)."""

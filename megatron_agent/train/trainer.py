@@ -59,6 +59,12 @@ def check_layout(cfg: Config, model_path: str) -> None:
         )
 
 
+def kl_controller(cfg: Config):
+    """The controller of the KL-in-reward coefficient (`algorithm.kl_*`; saved in run checkpoints)."""
+    a = cfg.algorithm
+    return make_kl_controller(a.kl_ctrl, a.kl_reward_coef, target_kl=a.kl_target, horizon=a.kl_horizon)
+
+
 class Trainer:
     """Owns the worker groups and the data of one run."""
 
@@ -75,10 +81,7 @@ class Trainer:
         self.train_tasks, self.num_skipped_rows = self._load_tasks(cfg.data.train_path, cfg.data.seed)
         self.val_tasks, _ = self._load_tasks(cfg.data.val_path, cfg.data.seed + 1, validation=True)
         self.sampler = PromptSampler(len(self.train_tasks), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-        a = cfg.algorithm  # the KL-in-reward coefficient's controller (saved in run checkpoints)
-        self.kl_ctrl = make_kl_controller(
-            a.kl_ctrl, a.kl_reward_coef, target_kl=a.kl_target, horizon=a.kl_horizon
-        )
+        self.kl_ctrl = kl_controller(cfg)
         self.actors: WorkerGroup | None = None
         self.engines: WorkerGroup | None = None
         self.engine_restarts = 0  # engines replaced in this run (rollout/engine_restarts)

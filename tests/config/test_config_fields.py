@@ -4,8 +4,9 @@ For each leaf field `section.name` of the schema, some module of megatron_agent 
 schema and the validation pass, where reading a value only checks it) must read `<section>.name`: through the section itself (`cfg.rollout.temperature`), a
 local alias of it (`r = cfg.rollout`; `a, d = cfg.actor, cfg.data`), or a parameter that holds it
 (named like the section, or annotated with its class). The check reads the source (AST), so it
-also covers code that runs only in Ray workers or on a GPU. The config's own tests check that the
-values read take effect (`tests/unit/test_config_plan.py`, the layout and e2e tests).
+also covers code that runs only in Ray workers or on a GPU. That each value read takes effect is
+checked by `test_config_effects.py`: every field set to another valid value must change what the
+run builds or does (or be on its GPU_ONLY list).
 """
 
 from __future__ import annotations

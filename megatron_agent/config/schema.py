@@ -51,8 +51,6 @@ class ParallelConfig:
     """Pipeline-parallel size."""
     vpp: int = 1
     """Virtual pipeline stages per pipeline rank (interleaved 1F1B); 1 means off."""
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism (needs tp > 1)."""
 
 
 @dataclass

@@ -76,11 +76,6 @@ def _check_paths(cfg: Config) -> None:
 
 def _check_parallel(cfg: Config) -> None:
     p = cfg.parallel
-    if p.sequence_parallel:
-        raise ConfigError(
-            "parallel.sequence_parallel=true is not supported by the trainer yet (the fused log-prob head "
-            "does not gather sequence-parallel hidden states): set parallel.sequence_parallel=false"
-        )
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp > 1")
 

@@ -32,7 +32,6 @@ def build_options(cfg: Config) -> BuildOptions:
         fp8=m.fp8,
         transformer_impl=m.transformer_impl,
         recompute=m.recompute,
-        sequence_parallel=p.sequence_parallel,  # refused at load for now (config/validate.py)
     )
 
 

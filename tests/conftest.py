@@ -163,6 +163,7 @@ E2E_FILES = {
 SLOW = {
     "train/test_deterministic_resume.py::test_a_run_killed": 137,  # 5 trainer launches
     "train/test_async.py::test_eta_1": 140,  # 3 trainer launches
+    "train/test_async.py::test_sigterm": 90,
     "train/test_async.py::test_an_engine": 60,
     "train/test_async.py::test_eta_2": 45,
     "train/test_resume_paths.py": 77,

@@ -4,15 +4,24 @@
   `trainer.mode=sync` with the same knobs (the decoupled loss in both): the same rollout dumps
   (tokens, provenance, policy versions, masks) and the same metrics, bar the async-only ones;
 - eta = 1 (slow): every trained token at most one version old, some exactly one (the engines
-  generated ahead), and a run killed in an update and resumed equals the uninterrupted one (the
-  checkpoint keeps the admitted, untrained batch).
+  generated ahead); a run killed in an update and resumed, and a run stopped by SIGTERM and
+  resumed, equal the uninterrupted one (the checkpoint keeps the admitted, untrained batch);
+- eta = 2 (slow): two versions behind at most; an engine killed while the actor updates (slow).
 """
 
 import json
+import signal
+import subprocess
+import time
 
+import pytest
+
+from tests.conftest import REPO
 from tests.train.test_deterministic_resume import (
     _assert_same_dump,
     _assert_same_step,
+    _cmd,
+    _env,
     _kill_when_held,
     _train,
 )
@@ -71,25 +80,64 @@ def test_staleness_0_is_the_synchronous_run(tmp_path):
     assert all(m["critic/advantages/max"] > 0 for s, m in sync[0].items() if s >= 1)  # updates moved
 
 
-def test_eta_1_trains_one_version_behind_and_resumes_exactly(tmp_path):
-    mode = ["trainer.mode=async", "async.max_staleness=1", "checkpoint.save_freq=1"]
-    _train(tmp_path / "uninterrupted", *DECOUPLED, *mode)
-    want = _comparable(tmp_path / "uninterrupted")
+ETA1 = ["trainer.mode=async", "async.max_staleness=1", "checkpoint.save_freq=1"]
+
+
+@pytest.fixture(scope="module")
+def eta1(tmp_path_factory):
+    """The uninterrupted eta = 1 run (compared with the killed and the signalled ones)."""
+    run_dir = tmp_path_factory.mktemp("async") / "uninterrupted"
+    _train(run_dir, *DECOUPLED, *ETA1)
+    return _comparable(run_dir)
+
+
+def _assert_same_run(got, want) -> None:
+    assert sorted(got[0]) == sorted(want[0])  # every step once, none lost or repeated
     for step in range(1, STEPS + 1):
-        versions = _versions(want[1][step])
+        _assert_same_step(got[0][step], want[0][step], step)
+        _assert_same_dump(got[1][step], want[1][step], step)
+
+
+def test_eta_1_trains_one_version_behind_and_resumes_exactly(eta1, tmp_path):
+    for step in range(1, STEPS + 1):
+        versions = _versions(eta1[1][step])
         assert min(versions) >= step - 1, (step, versions)  # the bound, read from the dumps
         if step >= 2:
             assert versions == {step - 1}, (step, versions)  # generated while step - 1 trained
     # Killed in the update of step 2: the step-1 checkpoint holds batch 2 (admitted, generated,
     # untrained); the resumed run must train it, not regenerate it under newer weights.
     run_dir = tmp_path / "killed"
-    _kill_when_held(run_dir, "update", *DECOUPLED, *mode)
-    _train(run_dir, *DECOUPLED, *mode, "trainer.resume=auto")
-    got = _comparable(run_dir)
-    assert sorted(got[0]) == sorted(want[0])
-    for step in range(1, STEPS + 1):
-        _assert_same_step(got[0][step], want[0][step], step)
-        _assert_same_dump(got[1][step], want[1][step], step)
+    _kill_when_held(run_dir, "update", *DECOUPLED, *ETA1)
+    _train(run_dir, *DECOUPLED, *ETA1, "trainer.resume=auto")
+    _assert_same_run(_comparable(run_dir), eta1)
+
+
+def test_sigterm_saves_the_admitted_batch_exits_0_and_resumes_exactly(eta1, tmp_path):
+    run_dir = tmp_path / "signalled"
+    proc = subprocess.Popen(
+        _cmd(run_dir, *DECOUPLED, *ETA1),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 600
+    while not (run_dir / "rollouts" / "step_000001.jsonl").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "step 1 never finished"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
+    stop = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
+    assert 1 <= stop < STEPS
+    driver = json.loads(
+        (run_dir / "checkpoints" / f"step_{stop:06d}" / "trainer" / "driver.json").read_text()
+    )
+    assert [b["step"] for b in driver["async"]["batches"]] == [stop + 1]  # generated, not yet trained
+    _train(run_dir, *DECOUPLED, *ETA1, "trainer.resume=auto")
+    _assert_same_run(_comparable(run_dir), eta1)
 
 
 def test_an_engine_killed_while_the_actor_updates_rolls_out_again_under_honest_versions(tmp_path):

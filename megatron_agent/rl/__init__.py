@@ -14,7 +14,7 @@ from megatron_agent.rl.guard import (
 )
 from megatron_agent.rl.kl import KL_ESTIMATORS, apply_kl_in_reward, compute_kl_loss, kl_penalty
 from megatron_agent.rl.kl_controller import AdaptiveKLController, FixedKLController, make_kl_controller
-from megatron_agent.rl.mismatch import mismatch_metrics, rollout_is_weights
+from megatron_agent.rl.mismatch import mismatch_metrics, rollout_is_weights, staleness_metrics
 from megatron_agent.rl.policy_loss import LOSS_MODES, compute_policy_loss, token_policy_loss
 
 __all__ = [
@@ -42,5 +42,6 @@ __all__ = [
     "make_kl_controller",
     "mismatch_metrics",
     "rollout_is_weights",
+    "staleness_metrics",
     "token_policy_loss",
 ]

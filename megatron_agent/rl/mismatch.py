@@ -96,3 +96,39 @@ def rollout_is_weights(
         "is_capped_frac": over.sum() / num,
     }
     return weights, metrics
+
+
+def staleness_metrics(
+    policy_version_BT: torch.Tensor,
+    old_logprob: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    trainer_version: int,
+    max_staleness: int,
+) -> dict[str, float]:
+    """An async step's staleness over its loss tokens (the trainer's version at this update minus
+    the version that sampled the token): async/staleness/{mean,max}, async/tokens_per_version,
+    and the log-prob gap per staleness s, mismatch/staleness_{s}/abs_diff_mean (|old - rollout|).
+    Raises RuntimeError when a token is older than `max_staleness`: admission makes that
+    impossible, so it is a bug."""
+    mask = loss_mask.bool()
+    staleness = (trainer_version - policy_version_BT)[mask]
+    if not staleness.numel():
+        return {}
+    worst = int(staleness.max())
+    if worst > max_staleness:
+        raise RuntimeError(
+            f"async: a trained token is {worst} versions stale (async.max_staleness={max_staleness}): "
+            "the admission bound was broken"
+        )
+    gap = _masked_diff(rollout_logprob, old_logprob, mask).abs()[mask]
+    levels = torch.unique(staleness)
+    out = {
+        "async/staleness/mean": float(staleness.float().mean()),
+        "async/staleness/max": float(worst),
+        "async/tokens_per_version": float(staleness.numel() / len(levels)),
+    }
+    for s in levels.tolist():
+        out[f"mismatch/staleness_{int(s)}/abs_diff_mean"] = float(gap[staleness == s].mean())
+    return out

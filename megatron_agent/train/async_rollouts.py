@@ -79,6 +79,30 @@ class RolloutPipeline:
         self.batches.append(AdmittedBatch(step, indices, pending, extras))
         self.admitted = step
 
+    # ----------------------------------------------------------------------------- the stage
+    def rollouts(self, step: int, m: dict):
+        """The rollout stage of async step `step` (`rl_loop.Rollouts`): admit what the bound
+        allows, then take this step's batch (generated meanwhile). Adds the engines' tool
+        metrics, `async/admitted_groups`, `async/interrupted_requests`, `timing_s/wait_rollout`
+        (the trainer idle) and `timing_s/wait_update` (the engines idle) to `m`."""
+        from megatron_agent.train.rl_loop import Rollouts
+
+        cfg, t = self.t.cfg, self.t
+        self.admit(updates_done=step - 1, last_step=cfg.trainer.total_steps)
+        admitted, waited = self.take(step)
+        m.update(admitted.engine_metrics)
+        m["timing_s/wait_rollout"] = waited
+        m["async/admitted_groups"] = float(self.admitted * cfg.data.train_batch_size)
+        m["async/interrupted_requests"] = 0.0  # the engines finish their batches before a sync
+        m["rollout/gen_batches"], m["rollout/dropped_groups"] = 1.0, 0.0
+        n, kept, group_ids, tasks = cfg.rollout.n, admitted.trajectories, [], {}
+        for k, index in enumerate(admitted.indices):
+            group = kept[k * n : (k + 1) * n]
+            group_id = f"0:{k}:{group[0].task_uid}"  # as a synchronous step's first round names it
+            group_ids.extend([group_id] * len(group))
+            tasks[group_id] = t.train_tasks[index]
+        return Rollouts(kept, group_ids, tasks)
+
     # ----------------------------------------------------------------------------- collection
     def take(self, step: int) -> tuple[AdmittedBatch, float]:
         """The batch trained at `step` and the seconds the trainer waited for it."""

@@ -16,7 +16,7 @@ on-policy steps (one epoch, one mini-batch, no KL in the reward, no IS weights) 
 the update's own forward; otherwise the log-prob stage computes them. Only `rl_step` attaches
 the stages' products to the batch. `Trainer` (trainer.py) owns the workers; this file is the
 algorithm. In an async run (`trainer.mode=async`) the rollout stage takes the batch admitted for
-this step (`admitted_rollouts`; train/async_rollouts.py), the step checks the staleness of its
+this step (`RolloutPipeline.rollouts`; train/async_rollouts.py), the step checks the staleness of its
 tokens, and the engines finish their admitted batches before the sync.
 """
 
@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_agent.rl import apply_kl_in_reward, compute_advantages, mismatch_metrics, rollout_is_weights
+from megatron_agent.rl import (
+    apply_kl_in_reward,
+    compute_advantages,
+    mismatch_metrics,
+    rollout_is_weights,
+    staleness_metrics,
+)
 from megatron_agent.rollout import rollout_metrics, write_rollout_dump
 from megatron_agent.train.batch import (
     RLBatch,
@@ -78,7 +84,7 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
     algo, m = t.cfg.algorithm, {"step": step}
     with timer(m, "step"):
         with timer(m, "gen"):
-            rollouts = collect_rollouts(t, m) if pipeline is None else admitted_rollouts(t, pipeline, step, m)
+            rollouts = collect_rollouts(t, m) if pipeline is None else pipeline.rollouts(step, m)
         m.update(rollout_metrics(rollouts.trajectories))
         if pipeline is None:
             m.update(t.tool_metrics())
@@ -108,7 +114,16 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
             m.update(mismatch(batch, mask_BT, algo))
             m.update(batch_stats(batch, mask_BT, adv))
         if pipeline is not None:
-            m.update(staleness_metrics(batch, mask_BT, t.weight_version, t.plan.max_staleness))
+            m.update(
+                staleness_metrics(
+                    batch.padded("policy_version"),
+                    batch.padded("old_logp"),
+                    batch.padded("rollout_logp"),
+                    mask_BT,
+                    trainer_version=t.weight_version,
+                    max_staleness=t.plan.max_staleness,
+                )
+            )
             m["timing_s/wait_rollout"] += pipeline.drain()  # the engines take the weights idle
         with timer(m, "update_weights"):
             m.update(t.sync())
@@ -197,53 +212,6 @@ def collect_rollouts(t: Trainer, m: dict) -> Rollouts:
     return Rollouts(kept, group_ids, tasks)
 
 
-def admitted_rollouts(t: Trainer, pipeline: RolloutPipeline, step: int, m: dict) -> Rollouts:
-    """An async step's rollouts: admit what the staleness bound allows, then take this step's
-    batch (generated meanwhile). Adds the engines' tool metrics, `async/admitted_groups`,
-    `timing_s/wait_rollout` (the trainer idle) and `timing_s/wait_update` (the engines idle)."""
-    cfg = t.cfg
-    pipeline.admit(updates_done=step - 1, last_step=cfg.trainer.total_steps)
-    admitted, waited = pipeline.take(step)
-    m.update(admitted.engine_metrics)
-    m["timing_s/wait_rollout"] = waited
-    m["async/admitted_groups"] = float(pipeline.admitted * cfg.data.train_batch_size)
-    m["async/interrupted_requests"] = 0.0  # the engines finish their batches before a sync
-    m["rollout/gen_batches"], m["rollout/dropped_groups"] = 1.0, 0.0
-    n, kept, group_ids, tasks = cfg.rollout.n, admitted.trajectories, [], {}
-    for k, index in enumerate(admitted.indices):
-        group = kept[k * n : (k + 1) * n]
-        group_id = f"0:{k}:{group[0].task_uid}"  # as a synchronous step's first round names it
-        group_ids.extend([group_id] * len(group))
-        tasks[group_id] = t.train_tasks[index]
-    return Rollouts(kept, group_ids, tasks)
-
-
-def staleness_metrics(batch: RLBatch, mask_BT, trainer_version: int, max_staleness: int) -> dict[str, float]:
-    """async/staleness/{mean,max} over the loss tokens (the trainer's version at this update minus
-    the version that sampled the token), async/tokens_per_version, and the rollout-vs-trainer
-    log-prob gap per staleness (mismatch/staleness_{s}/abs_diff_mean). Raises when a token is
-    older than the bound: admission makes that impossible, so it is a bug."""
-    mask = mask_BT.bool()
-    staleness = (trainer_version - batch.padded("policy_version"))[mask]
-    if not staleness.numel():
-        return {}
-    worst = int(staleness.max())
-    if worst > max_staleness:
-        raise RuntimeError(
-            f"async: a trained token is {worst} versions stale (async.max_staleness={max_staleness}): "
-            "the admission bound was broken"
-        )
-    gap = (batch.padded("old_logp") - batch.padded("rollout_logp")).abs()[mask]
-    out = {
-        "async/staleness/mean": float(staleness.float().mean()),
-        "async/staleness/max": float(worst),
-        "async/tokens_per_version": float(staleness.numel() / len(torch.unique(staleness))),
-    }
-    for s in torch.unique(staleness).tolist():
-        out[f"mismatch/staleness_{int(s)}/abs_diff_mean"] = float(gap[staleness == s].mean())
-    return out
-
-
 def greedy_baseline(t: Trainer, group_ids: list[str], tasks: dict) -> torch.Tensor:
     """ReMax's baseline [B]: the reward of one greedy rollout of each sequence's task."""
     order = list(tasks)
@@ -315,23 +283,3 @@ def dump_fields(batch: RLBatch, trajectories: list) -> list[dict]:
             }
         )
     return rows
-
-
-def validate(t: Trainer) -> dict[str, float]:
-    """Greedy rollouts of the validation tasks: val/score/mean and val/accuracy."""
-    start = time.perf_counter()
-    trajectories = t.rollout(t.val_tasks, 1, greedy=True)
-    rewards = [tr.reward or 0.0 for tr in trajectories]
-    return {
-        "val/score/mean": sum(rewards) / len(rewards),
-        "val/accuracy": sum(is_correct(tr) for tr in trajectories) / len(trajectories),
-        "val/tool_calls_per_sample": sum(len(tr.tool_calls) for tr in trajectories) / len(trajectories),
-        "timing_s/testing": time.perf_counter() - start,
-    }
-
-
-def is_correct(trajectory) -> bool:
-    """True when the task's correctness reward (numeric, exact match or F1) is full."""
-    info = trajectory.reward_info or {}
-    scores = [v for k, v in info.items() if k in ("numeric", "exact_match", "f1")]
-    return bool(scores) and max(scores) >= 1.0 - 1e-9

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 from megatron_agent.config import Config, ConfigError, make_plan
@@ -35,9 +36,27 @@ class Validator:
 
     def __call__(self) -> dict[str, float]:
         """The validation metrics (`val/*`)."""
-        from megatron_agent.train.rl_loop import validate
-
         return validate(self.trainer)
+
+
+def validate(t) -> dict[str, float]:
+    """Greedy rollouts of the validation tasks by the trainer `t`: val/score/mean and val/accuracy."""
+    start = time.perf_counter()
+    trajectories = t.rollout(t.val_tasks, 1, greedy=True)
+    rewards = [tr.reward or 0.0 for tr in trajectories]
+    return {
+        "val/score/mean": sum(rewards) / len(rewards),
+        "val/accuracy": sum(is_correct(tr) for tr in trajectories) / len(trajectories),
+        "val/tool_calls_per_sample": sum(len(tr.tool_calls) for tr in trajectories) / len(trajectories),
+        "timing_s/testing": time.perf_counter() - start,
+    }
+
+
+def is_correct(trajectory) -> bool:
+    """True when the task's correctness reward (numeric, exact match or F1) is full."""
+    info = trajectory.reward_info or {}
+    scores = [v for k, v in info.items() if k in ("numeric", "exact_match", "f1")]
+    return bool(scores) and max(scores) >= 1.0 - 1e-9
 
 
 class Run:

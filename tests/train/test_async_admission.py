@@ -7,9 +7,9 @@ import torch
 
 from megatron_agent.config import load_config, make_plan
 from megatron_agent.data.sampler import PromptSampler
+from megatron_agent.rl import staleness_metrics
 from megatron_agent.train.async_rollouts import RolloutPipeline
 from megatron_agent.train.batch import RLBatch
-from megatron_agent.train.rl_loop import staleness_metrics
 
 
 class Engines(list):
@@ -85,10 +85,17 @@ def _batch(versions: list[list[int]]) -> RLBatch:
     return batch
 
 
+def stale(batch: RLBatch, trainer_version: int) -> dict:
+    names = ("policy_version", "old_logp", "rollout_logp", "loss_mask")
+    return staleness_metrics(
+        *(batch.padded(k) for k in names), trainer_version=trainer_version, max_staleness=1
+    )
+
+
 def test_staleness_is_read_per_token_and_a_token_past_the_bound_is_refused():
     batch = _batch([[-1, 3, 3, 4], [-1, 4, 4, -1]])  # -1: not sampled (prompt, tool, template)
-    m = staleness_metrics(batch, batch.padded("loss_mask"), trainer_version=4, max_staleness=1)
+    m = stale(batch, trainer_version=4)
     assert m["async/staleness/max"] == 1 and m["async/staleness/mean"] == pytest.approx(2 / 5)
     assert m["mismatch/staleness_1/abs_diff_mean"] == pytest.approx(0.5)
     with pytest.raises(RuntimeError, match="2 versions stale .async.max_staleness=1"):
-        staleness_metrics(batch, batch.padded("loss_mask"), trainer_version=5, max_staleness=1)
+        stale(batch, trainer_version=5)

@@ -162,7 +162,7 @@ E2E_FILES = {
 # seconds each takes alone on a 2-core machine. A prefix covers every test it starts.
 SLOW = {
     "train/test_deterministic_resume.py::test_a_run_killed": 137,  # 5 trainer launches
-    "train/test_async.py::test_eta_1": 140,  # 3 trainer launches
+    "train/test_async.py::test_eta_1": 230,  # 5 trainer launches
     "train/test_async.py::test_sigterm": 90,
     "train/test_async.py::test_an_engine": 60,
     "train/test_async.py::test_eta_2": 45,

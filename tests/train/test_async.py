@@ -4,8 +4,9 @@
   `trainer.mode=sync` with the same knobs (the decoupled loss in both): the same rollout dumps
   (tokens, provenance, policy versions, masks) and the same metrics, bar the async-only ones;
 - eta = 1 (slow): every trained token at most one version old, some exactly one (the engines
-  generated ahead); a run killed in an update and resumed, and a run stopped by SIGTERM and
-  resumed, equal the uninterrupted one (the checkpoint keeps the admitted, untrained batch);
+  generated ahead); a run killed in a rollout, an update and a save in turn and resumed, and a
+  run stopped by SIGTERM and resumed, equal the uninterrupted one (the checkpoint keeps the
+  admitted, untrained batch);
 - eta = 2 (slow): two versions behind at most; an engine killed while the actor updates (slow).
 """
 
@@ -104,10 +105,13 @@ def test_eta_1_trains_one_version_behind_and_resumes_exactly(eta1, tmp_path):
         assert min(versions) >= step - 1, (step, versions)  # the bound, read from the dumps
         if step >= 2:
             assert versions == {step - 1}, (step, versions)  # generated while step - 1 trained
-    # Killed in the update of step 2: the step-1 checkpoint holds batch 2 (admitted, generated,
-    # untrained); the resumed run must train it, not regenerate it under newer weights.
+    # One run folder killed in turn: in batch 2's rollout (it runs while step 1 updates, before
+    # any checkpoint), in step 2's update (the step-1 checkpoint holds batch 2: admitted,
+    # generated, untrained; a resume must train it, not regenerate it under newer weights), and
+    # while step 2's checkpoint is staged; then resumed to the end.
     run_dir = tmp_path / "killed"
-    _kill_when_held(run_dir, "update", *DECOUPLED, *ETA1)
+    for k, phase in enumerate(("rollout", "update", "save")):
+        _kill_when_held(run_dir, phase, *DECOUPLED, *ETA1, *(["trainer.resume=auto"] if k else []))
     _train(run_dir, *DECOUPLED, *ETA1, "trainer.resume=auto")
     _assert_same_run(_comparable(run_dir), eta1)
 

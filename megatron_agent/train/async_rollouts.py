@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from megatron_agent.rollout.trajectory import Trajectory
 from megatron_agent.train.cluster import WorkerDiedError
 from megatron_agent.train.run_state import rollout_seed
+from megatron_agent.train.trainer import merge_tool_metrics
 
 
 @dataclass
@@ -131,11 +132,7 @@ class RolloutPipeline:
                 idle += idle_call.result()
             except WorkerDiedError:  # the engine died after its share (replaced by then)
                 pass
-        merged: dict[str, float] = {}
-        for m in tools:
-            if "tool/unsandboxed" in m:
-                merged["tool/unsandboxed"] = merged.get("tool/unsandboxed", 0.0) + m["tool/unsandboxed"]
-                merged["tool/sandboxed"] = min(merged.get("tool/sandboxed", 1.0), m["tool/sandboxed"])
+        merged = merge_tool_metrics(tools)
         merged["timing_s/wait_update"] = sum(idle) / max(len(idle), 1)
         batch.engine_metrics, batch.pending, batch.extras = merged, None, None
 

@@ -268,13 +268,8 @@ class Trainer:
             call.result()
 
     def tool_metrics(self) -> dict[str, float]:
-        """Sandbox metrics of the engines' tools: unsandboxed calls summed, sandboxed if all are."""
-        merged: dict[str, float] = {}
-        for m in self.engines.call("tool_metrics"):
-            if "tool/unsandboxed" in m:
-                merged["tool/unsandboxed"] = merged.get("tool/unsandboxed", 0.0) + m["tool/unsandboxed"]
-                merged["tool/sandboxed"] = min(merged.get("tool/sandboxed", 1.0), m["tool/sandboxed"])
-        return merged
+        """Sandbox metrics of the engines' tools (`merge_tool_metrics`)."""
+        return merge_tool_metrics(self.engines.call("tool_metrics"))
 
     def logprobs(self, batch: RLBatch) -> tuple[dict[str, list], dict[str, float]]:
         """Forward-only passes before the update: `old_logp` and `entropy` (actor) unless the
@@ -381,6 +376,16 @@ class PendingRollout:
         for task in self.tasks:
             out.extend(by_task[id(task)].pop(0))
         return out
+
+
+def merge_tool_metrics(per_engine: list[dict[str, float]]) -> dict[str, float]:
+    """The engines' `tool_metrics` as one: unsandboxed calls summed, sandboxed if all are."""
+    merged: dict[str, float] = {}
+    for m in per_engine:
+        if "tool/unsandboxed" in m:
+            merged["tool/unsandboxed"] = merged.get("tool/unsandboxed", 0.0) + m["tool/unsandboxed"]
+            merged["tool/sandboxed"] = min(merged.get("tool/sandboxed", 1.0), m["tool/sandboxed"])
+    return merged
 
 
 def gather_rows(batch: RLBatch, name: str, parts: list[tuple[list[int], list]]) -> list:

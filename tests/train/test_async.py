@@ -105,6 +105,11 @@ def test_eta_1_trains_one_version_behind_and_resumes_exactly(eta1, tmp_path):
         assert min(versions) >= step - 1, (step, versions)  # the bound, read from the dumps
         if step >= 2:
             assert versions == {step - 1}, (step, versions)  # generated while step - 1 trained
+        # The samples of a prompt differ (an async stack that reset the RNG made them identical).
+        groups: dict[str, list] = {}
+        for row in eta1[1][step]:
+            groups.setdefault(row["uid"].rsplit("/", 1)[0], []).append(row["response_ids"])
+        assert any(len({tuple(r) for r in rows}) > 1 for rows in groups.values()), step
     # One run folder killed in turn: in batch 2's rollout (it runs while step 1 updates, before
     # any checkpoint), in step 2's update (the step-1 checkpoint holds batch 2: admitted,
     # generated, untrained; a resume must train it, not regenerate it under newer weights), and

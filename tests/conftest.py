@@ -100,6 +100,25 @@ def repo_on_pythonpath():
         yield
 
 
+def sigterm_after_step_1(
+    cmd: list[str], run_dir, env: dict, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    """Start `cmd` (a train run in `run_dir`), send it SIGTERM as soon as step 1's rollout dump
+    exists (so during step 2), and return how it ended."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while not (Path(run_dir) / "rollouts" / "step_000001.jsonl").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "step 1 never finished"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def read_dump(run_dir, step: int) -> list[dict]:
     """The rows of `<run_dir>/rollouts/step_{step:06d}.jsonl`."""
     path = Path(run_dir) / "rollouts" / f"step_{step:06d}.jsonl"

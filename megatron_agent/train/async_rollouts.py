@@ -58,13 +58,10 @@ class RolloutPipeline:
         self.admitted = 0  # batches admitted in the run so far (the last one's step)
 
     # ----------------------------------------------------------------------------- admission
-    def admit(self, updates_done: int, last_step: int) -> int:
-        """Admit every batch the bound allows after `updates_done` updates (none past
-        `last_step`); returns how many."""
-        before = self.admitted
+    def admit(self, updates_done: int, last_step: int) -> None:
+        """Admit every batch the bound allows after `updates_done` updates (none past `last_step`)."""
         while self.admitted < min(updates_done + self.eta + 1, last_step):
             self._submit(self.admitted + 1)
-        return self.admitted - before
 
     def _submit(self, step: int) -> None:
         cfg, t = self.t.cfg, self.t

@@ -25,10 +25,11 @@ class Saver:
     returns None.
     """
 
-    def __init__(self, cfg, trainer, run_log):
-        self.cfg, self.trainer, self.run_log = cfg, trainer, run_log
+    def __init__(self, cfg, trainer, run_log, pipeline=None):
+        """`pipeline`: an async run's admitted rollouts (`RolloutPipeline`), saved with the
+        driver's state; None in sync mode."""
+        self.cfg, self.trainer, self.run_log, self.pipeline = cfg, trainer, run_log, pipeline
         self.ref_from = ""
-        self.pipeline = None  # an async run's admitted rollouts: saved with the driver's state
         self.last_saved: int | None = None
         self.num_errors = 0
 

@@ -161,8 +161,7 @@ class Run:
         from megatron_agent.train.run_state import rollout_seed
 
         cfg, total = self.cfg, self.cfg.trainer.total_steps
-        saver, validator = Saver(cfg, trainer, run_log), Validator(cfg, trainer)
-        saver.pipeline = pipeline  # None in sync mode
+        saver, validator = Saver(cfg, trainer, run_log, pipeline), Validator(cfg, trainer)
         if state is not None:
             done = self._resume(trainer, run_log, saver, resume_dir, state)
         else:

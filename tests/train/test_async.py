@@ -11,13 +11,10 @@
 """
 
 import json
-import signal
-import subprocess
-import time
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import sigterm_after_step_1
 from tests.train.test_deterministic_resume import (
     _assert_same_dump,
     _assert_same_step,
@@ -123,22 +120,9 @@ def test_eta_1_trains_one_version_behind_and_resumes_exactly(eta1, tmp_path):
 
 def test_sigterm_saves_the_admitted_batch_exits_0_and_resumes_exactly(eta1, tmp_path):
     run_dir = tmp_path / "signalled"
-    proc = subprocess.Popen(
-        _cmd(run_dir, *DECOUPLED, *ETA1),
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 600
-    while not (run_dir / "rollouts" / "step_000001.jsonl").exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "step 1 never finished"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
+    stopped = sigterm_after_step_1(_cmd(run_dir, *DECOUPLED, *ETA1), run_dir, _env(), timeout=600)
+    out = stopped.stdout
+    assert stopped.returncode == 0, f"{out[-2000:]}\n{stopped.stderr[-4000:]}"
     stop = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
     assert 1 <= stop < STEPS
     driver = json.loads(

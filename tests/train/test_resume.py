@@ -11,12 +11,11 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 
 import pytest
 
 from megatron_agent.checkpoint.manifest import write_manifest
-from tests.conftest import REPO, quickstart_train_cmd
+from tests.conftest import REPO, quickstart_train_cmd, sigterm_after_step_1
 
 TINY = [
     "sft.steps=0",
@@ -99,18 +98,7 @@ def reference(tmp_path_factory):
 def signalled(tmp_path_factory):
     """A run stopped by SIGTERM as soon as step 1 is dumped (so during step 2), then resumed."""
     run_dir = tmp_path_factory.mktemp("resume") / "signalled"
-    proc = subprocess.Popen(
-        _cmd(run_dir), cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.time() + 900
-    while not (run_dir / "rollouts" / "step_000001.jsonl").exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline, "step 1 never finished"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=600)
-    stopped = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    _ok(stopped)
+    stopped = _ok(sigterm_after_step_1(_cmd(run_dir), run_dir, _env()))
     saved = _checkpoints(run_dir)
     resumed = _ok(_run(run_dir))
     return run_dir, stopped, saved, resumed

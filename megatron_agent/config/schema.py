@@ -359,6 +359,13 @@ class AsyncConfig:
     """eta: a group is admitted (its generation starts) only while fewer than (eta + 1) x
     data.train_batch_size groups are ahead of the trainer's weight version, so no trained token
     was sampled more than eta versions before the update that trains it. 0: the synchronous run."""
+    keep_kv: bool = False
+    """Requests that a weight sync interrupts keep their KV cache (computed with the old weights),
+    and the prefix cache stays; false (the default) recomputes it under the new weights."""
+    interrupt_after_engine_steps: int = 16
+    """Deterministic mode: a batch that a sync will interrupt pauses after this many engine steps
+    of its rollout and takes the new weights there (or at its end, if shorter), so the schedule
+    is a function of the config. Otherwise a sync interrupts the engines when it arrives."""
 
 
 @dataclass

@@ -85,6 +85,10 @@ def _check_async(cfg: Config) -> None:
     algo, eta = cfg.algorithm, cfg.async_.max_staleness
     if eta < 0:
         raise ConfigError(f"async.max_staleness={eta} must be >= 0 (0: the synchronous schedule)")
+    if cfg.async_.interrupt_after_engine_steps < 1:
+        raise ConfigError(
+            f"async.interrupt_after_engine_steps={cfg.async_.interrupt_after_engine_steps} must be >= 1"
+        )
     if cfg.trainer.mode == "async":
         if not algo.off_policy_loss:
             raise ConfigError(
@@ -95,6 +99,12 @@ def _check_async(cfg: Config) -> None:
             raise ConfigError(
                 "algorithm.dynamic_sampling=true is not supported with trainer.mode=async yet "
                 "(a refilled group would break the admission order): set one of them off"
+            )
+        if algo.adv_estimator == "remax":
+            raise ConfigError(
+                "algorithm.adv_estimator=remax is not supported with trainer.mode=async: its greedy "
+                "baseline rollout would wait behind the batches generating ahead (use grpo, rloo or "
+                "reinforce_plus_plus)"
             )
     if algo.off_policy_loss and algo.rollout_is == "none":
         raise ConfigError(

@@ -19,6 +19,7 @@ output) becomes an error message in the tool turn and a status on the call, neve
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 import zlib
@@ -124,8 +125,15 @@ class AgentLoop:
         """Synchronous wrapper of `run_async` (starts an event loop)."""
         return asyncio.run(self.run_async(tasks, n_samples))
 
-    async def run_async(self, tasks: list[Task], n_samples: int = 1) -> list[Trajectory]:
-        """`n_samples` trajectories per task, all in flight together; ordered task-major."""
+    async def run_async(
+        self, tasks: list[Task], n_samples: int = 1, config: AgentLoopConfig | None = None
+    ) -> list[Trajectory]:
+        """`n_samples` trajectories per task, all in flight together; ordered task-major.
+        `config` replaces the loop's own for this call (several calls may run at once)."""
+        if config is not None and config is not self.config:
+            view = copy.copy(self)
+            view.config = config
+            return await view.run_async(tasks, n_samples)
         gate = asyncio.Semaphore(self.config.max_in_flight)
 
         async def one(task: Task, index: int) -> Trajectory:
@@ -163,10 +171,11 @@ class AgentLoop:
                 traj.finish_reason = "timeout"
                 break
             start = len(traj.response_ids)
-            traj.append(out.token_ids, TokenSource.SAMPLED, out.logprobs, version=out.weight_version)
+            turn_versions = out.token_versions or [out.weight_version] * len(out.token_ids)
+            traj.append(out.token_ids, TokenSource.SAMPLED, out.logprobs, version=turn_versions)
             traj.turn_spans.append((start, len(traj.response_ids)))
             traj.num_turns += 1
-            versions.append(out.weight_version)
+            versions.append(turn_versions[0] if turn_versions else out.weight_version)  # the turn's oldest
             if out.finish_reason == "length":
                 traj.finish_reason = "length"
                 break

@@ -19,13 +19,20 @@ Lockstep (deterministic mode): while trajectories are registered with `live_traj
 pump steps only when every one of them waits on the engine (none is running a tool), and admits
 new requests sorted by their `order_key`. Every engine step then sees the same batch in every
 run, whatever the tools' timing; the price is that tools no longer overlap with generation.
+
+Pausing (asynchronous RL): `pause()` stops the pump between two engine steps, with requests in
+flight, until `resume()`; a weight sync runs in between. `pause_after(num_steps)` makes the pump
+pause itself when it has taken that many steps (a fixed point, for deterministic runs) and sets
+`paused_event`. `EngineThread` is the one thread that runs the loop, the pump and every call into
+the engine, whichever thread asks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Coroutine, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -65,6 +72,9 @@ class AsyncEngine:
         self._wake: asyncio.Event | None = None
         self._pump: asyncio.Task | None = None
         self._live = 0  # trajectories in lockstep (see the module docstring)
+        self._paused = False
+        self._pause_at: int | None = None  # `num_steps` at which the pump pauses itself
+        self.paused_event: asyncio.Event | None = None  # set while paused (made on first use)
 
     @property
     def weight_version(self) -> int:
@@ -103,6 +113,34 @@ class AsyncEngine:
         self._wake.set()
         return await future
 
+    # ----------------------------------------------------------------------------- pausing
+    def pause(self) -> None:
+        """Take no engine step until `resume()` (call it from the loop: it acts between two steps).
+        Requests stay in flight; the ones that finished in the last step are delivered."""
+        self._paused = True
+        self._event().set()
+
+    def resume(self) -> None:
+        """Undo `pause()` (or a pause at `pause_after`'s point), and forget that point."""
+        self._paused, self._pause_at = False, None
+        self._event().clear()
+        if self._wake is not None:
+            self._wake.set()
+
+    def pause_after(self, num_steps: int | None) -> None:
+        """Pause by itself once `self.num_steps` reaches `num_steps` (None: no such point)."""
+        self._pause_at = num_steps
+
+    @property
+    def paused(self) -> bool:
+        """Whether the pump takes no step now (paused, or at its `pause_after` point)."""
+        return self._paused
+
+    def _event(self) -> asyncio.Event:
+        if self.paused_event is None:
+            self.paused_event = asyncio.Event()
+        return self.paused_event
+
     def update_weights(self, named_tensors) -> int:
         """`engine.update_weights` (nothing may be in flight); returns the new version."""
         if self._pending or self._inbox:
@@ -122,6 +160,16 @@ class AsyncEngine:
         while True:
             if self._live and len(self._pending) + len(self._inbox) < self._live:
                 self._wake.clear()  # lockstep: a trajectory is still running a tool
+                await self._wake.wait()
+                continue
+            if (
+                self._pause_at is not None
+                and self.num_steps >= self._pause_at
+                and (self._pending or self._inbox)
+            ):
+                self.pause()  # the fixed point: every live trajectory waits on the engine here
+            if self._paused:
+                self._wake.clear()
                 await self._wake.wait()
                 continue
             self._admit()
@@ -179,3 +227,32 @@ class AsyncEngine:
                 for rid in abandoned:
                     self._pending.pop(rid)
         return len(finished)
+
+
+class EngineThread:
+    """A thread running one asyncio loop forever: the engine is built, stepped, synced and probed
+    on it alone (vLLM binds its CPU threads to the thread that built it), while the callers (a
+    Ray actor's concurrency groups) block on their results."""
+
+    def __init__(self, name: str = "engine"):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine: Coroutine):
+        """Run `coroutine` on the loop and wait for its result (its exception is raised here)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def call(self, fn: Callable, *args, **kwargs):
+        """Run the plain function `fn(*args, **kwargs)` on the loop's thread and wait for its result."""
+
+        async def body():
+            return fn(*args, **kwargs)
+
+        return self.run(body())
+
+    def close(self) -> None:
+        """Stop the loop (tasks still pending are dropped) and let the thread end."""
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5.0)

@@ -7,6 +7,14 @@ iterator of `(hf_name, tensor)` pairs and are loaded in place with the worker's
 `reload_weights`, after which the prefix cache is reset (otherwise KV computed with the old
 weights is reused) and `weight_version` is bumped.
 
+Weights can also change while requests are in flight (asynchronous RL), between two engine
+steps: `weights_changed(version)` then preempts the running requests, so that vLLM recomputes
+their KV cache under the new weights when it schedules them again (their sampled tokens and
+sampler state are kept: no token is lost or repeated), and clears the prefix cache; with
+`keep_kv=True` the requests keep the KV they have. `weight_version` is also vLLM's own label of
+the weights (`set_weight_version`), which it attaches to every engine step's tokens, so each
+generated token carries the version that sampled it (`GenerationOutput.token_versions`).
+
 Log-probs are vLLM's `raw_logprobs`: log-softmax of the model's logits before temperature,
 top-p/top-k or any logits processor, i.e. log p(token | prefix) under the model itself, the
 quantity the trainer recomputes. (Structured-output masks are applied before the sampler, so
@@ -62,7 +70,10 @@ class GenerationOutput:
     stop_reason: str | int | None = None
     """The stop string or stop token id that matched; None for EOS or length."""
     weight_version: int = 0
-    """Engine weight version that produced it."""
+    """Engine weight version when it finished (the newest of `token_versions`)."""
+    token_versions: list[int] = field(default_factory=list)
+    """The weight version that sampled each generated id (a sync while the request was in flight
+    splits it in two versions); empty means every id has `weight_version`."""
 
 
 def _set_cpu_env(cache_dir: str | None) -> None:
@@ -134,6 +145,7 @@ class VLLMEngine:
         block_size: int | None = None,
         quantization: str = "",
         fp8_scales: str = "tensor",
+        keep_kv: bool = False,
     ):
         """Start vLLM on the HF folder `model_path`.
 
@@ -143,7 +155,8 @@ class VLLMEngine:
         `block_size` is the KV-cache block (prefix-cache granularity); None means 32 on CPU and
         vLLM's default on GPU. `quantization='fp8'` serves FP8 weights (GPU only): the folder is
         converted once into `cache_dir` (`rollout.fp8`) and every sync then sends FP8 weights
-        (`sync.fp8`).
+        (`sync.fp8`). `keep_kv`: requests in flight when new weights arrive keep their KV cache
+        (and the prefix cache stays) instead of recomputing it under the new weights.
         """
         on_gpu = torch.cuda.is_available()
         self.quantization = None
@@ -187,9 +200,22 @@ class VLLMEngine:
         self.model_path = str(model_path)
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self.keep_kv = keep_kv
         self.weight_version = 0
         self._request_counter = 0
         self._sleeping = False
+        self._probes: set[str] = set()  # request ids of `prompt_logprobs` calls
+        self._unclaimed: list[tuple[str, GenerationOutput]] = []  # finished while a probe stepped
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the engine holds; vLLM labels every token it samples with it."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self._weight_version = int(version)
+        self.llm.llm_engine.set_weight_version(str(self._weight_version))
 
     # ----------------------------------------------------------------------------- generation
     def sampling_params(self, sampling: SamplingConfig, index: int = 0):
@@ -217,12 +243,20 @@ class VLLMEngine:
         """A vLLM `CompletionOutput` as a `GenerationOutput` (log-prob of each generated id)."""
         ids = list(completion.token_ids)
         logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids)]
+        versions = []
+        for span in getattr(completion, "weight_versions", None) or ():
+            versions += [int(span.version)] * (span.end - span.start)
+        if versions and len(versions) != len(ids):
+            raise RuntimeError(
+                f"vLLM labelled {len(versions)} of {len(ids)} generated tokens with a weight version"
+            )
         return GenerationOutput(
             token_ids=ids,
             logprobs=logprobs,
             finish_reason=str(completion.finish_reason),
             stop_reason=completion.stop_reason,
             weight_version=self.weight_version,
+            token_versions=versions,
         )
 
     def generate(
@@ -256,42 +290,97 @@ class VLLMEngine:
         return request_id
 
     def step(self) -> list[tuple[str, GenerationOutput]]:
-        """One engine step; returns (request id, output) for the requests that finished."""
-        done = []
+        """One engine step; returns (request id, output) for the requests that finished (with
+        those that finished while `prompt_logprobs` stepped the engine)."""
+        done, self._unclaimed = self._unclaimed, []
         for out in self.llm.llm_engine.step():
-            if out.finished:
+            if out.finished and out.request_id not in self._probes:
                 done.append((out.request_id, self.convert_output(out.outputs[0])))
         return done
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(token i | tokens < i) for i >= 1 of each sequence, under the current weights.
+
+        Safe while generation requests are in flight (between two steps of `AsyncEngine`'s pump):
+        they advance with the probe, and those that finish meanwhile are returned by the next
+        `step()`."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_awake()
+        engine, ids = self.llm.llm_engine, []
+        for seq in sequences:
+            params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            self._request_counter += 1
+            ids.append(f"probe-{self._request_counter}")
+            self._probes.add(ids[-1])
+            engine.add_request(ids[-1], TokensPrompt(prompt_token_ids=[int(t) for t in seq]), params)
+        outputs = {}
+        try:
+            while len(outputs) < len(ids):
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    if out.request_id in self._probes:
+                        outputs[out.request_id] = out
+                    else:
+                        self._unclaimed.append((out.request_id, self.convert_output(out.outputs[0])))
+        finally:
+            self._probes.difference_update(ids)
+        return [
+            [float(steps[i][int(seq[i])].logprob) for i in range(1, len(seq))]
+            for seq, steps in ((seq, outputs[rid].prompt_logprobs) for seq, rid in zip(sequences, ids))
+        ]
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort queued or running requests."""
         self.llm.llm_engine.abort_request(list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        """Whether requests are queued or running."""
-        return self.llm.llm_engine.has_unfinished_requests()
+        """Whether requests are queued or running (or finished and not yet returned by `step`)."""
+        return bool(self._unclaimed) or self.llm.llm_engine.has_unfinished_requests()
 
     # ----------------------------------------------------------------------------- weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], in_flight: bool = False
+    ) -> int:
         """Load HF-named tensors in place (all or a subset of the model's), then reset the prefix cache.
 
         Names are the HF checkpoint's (`model.layers.0.self_attn.q_proj.weight`, ...); vLLM's
-        loader fuses q/k/v and gate/up itself. Must not be called while requests are in flight.
-        Returns the new `weight_version`.
+        loader fuses q/k/v and gate/up itself. Requests may be in flight only with `in_flight`
+        (between two steps: see `weights_changed`). Returns the new `weight_version`.
         """
-        if self.llm.llm_engine.has_unfinished_requests():
+        if not in_flight and self.llm.llm_engine.has_unfinished_requests():
             raise RuntimeError("update_weights called while generation requests are in flight")
         self._check_awake()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.collective_rpc(_refresh_tied_lm_head_on_worker)
-        self.reset_prefix_cache()
-        self.weight_version += 1
+        self.weights_changed(self.weight_version + 1)
         return self.weight_version
 
-    def reset_prefix_cache(self) -> None:
-        """Drop cached KV blocks (they were computed with the weights that produced them)."""
-        if not self.llm.reset_prefix_cache():
+    def weights_changed(self, version: int) -> None:
+        """After new weights were loaded (between two engine steps): drop the KV computed with the
+        old ones and label the tokens sampled from now on with `version`.
+
+        Running requests are preempted: vLLM recomputes their KV under the new weights when it
+        schedules them again, and they continue where they were (same tokens, same sampler
+        state). With `keep_kv` and requests in flight, their KV and the prefix cache stay."""
+        if not (self.keep_kv and self.llm.llm_engine.has_unfinished_requests()):
+            self.reset_prefix_cache(recompute_running=True)
+        self.weight_version = version
+
+    def reset_prefix_cache(self, recompute_running: bool = False) -> None:
+        """Drop cached KV blocks (they were computed with the weights that produced them);
+        `recompute_running` also drops the KV of running requests (recomputed when they resume)."""
+        if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=recompute_running):
             raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+
+    def num_cached_blocks(self) -> int:
+        """KV blocks in the prefix cache (in-process engine core only; for tests and checks)."""
+        core = self.llm.llm_engine.engine_core.engine_core
+        return len(core.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block)
 
     # ----------------------------------------------------------------------------- memory
     def sleep(self, level: int = 1) -> None:

@@ -29,6 +29,7 @@ def engine_kwargs(cfg: Config, cache_dir: str | None = None, logits_processors=(
             quantization=cfg.rollout.quantization,
             fp8_scales=cfg.rollout.fp8_scales,
             logits_processors=logits_processors,
+            keep_kv=cfg.async_.keep_kv,
         )
     if cfg.rollout.engine == "hf":
         if cfg.rollout.quantization:

@@ -88,14 +88,21 @@ class Trajectory:
         ids: list[int],
         source: TokenSource,
         logprobs: list[float] | None = None,
-        version: int | None = None,
+        version: int | list[int] | None = None,
     ) -> None:
         """Append `ids` with one source; `logprobs` is required for, and only for, sampled ids,
-        and `version` (the sampling weight version, default `weight_version`) only applies to them."""
+        and `version` (the sampling weight version, default `weight_version`; or one per id, when
+        a weight sync split the request) only applies to them."""
         if source is TokenSource.SAMPLED:
             assert logprobs is not None and len(logprobs) == len(ids), "sampled ids need one logprob each"
             self.rollout_logprobs.extend(float(x) for x in logprobs)
-            self.token_versions.extend([self.weight_version if version is None else int(version)] * len(ids))
+            if isinstance(version, list):
+                assert len(version) == len(ids), "sampled ids need one version each"
+                self.token_versions.extend(int(v) for v in version)
+            else:
+                self.token_versions.extend(
+                    [self.weight_version if version is None else int(version)] * len(ids)
+                )
         else:
             assert logprobs is None, f"{source.value} tokens carry no rollout logprob"
             self.rollout_logprobs.extend([None] * len(ids))

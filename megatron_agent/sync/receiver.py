@@ -8,9 +8,13 @@ forwards to (a pipe server, a Ray actor method, or a direct call). Methods:
   and load the tensors in place. In a vLLM engine this runs inside each worker
   (`collective_rpc`), so a TP engine shards the full HF tensors itself; an unquantized TP1 engine
   on CPU is loaded in one pass by `cpu_loader.DirectLoader`, any other with vLLM's `reload_weights`.
-- `finish(sync_id, manifest)`: check that every bucket the senders sent arrived, then reset the
-  prefix cache once and bump `weight_version` once.
+- `finish(sync_id, manifest, version=None)`: check that every bucket the senders sent arrived,
+  then reset the prefix cache once and set `weight_version` to `version` (default: one more).
 - `probe(sequences)`: prompt log-probs of fixed token ids (log p(token i | tokens < i)).
+
+With `in_flight=True` (asynchronous RL) a sync may find generation requests in flight: its
+caller guarantees that the engine takes no step from the first bucket to `finish`, which then
+makes the requests recompute their KV under the new weights (`VLLMEngine.weights_changed`).
 - `init_nccl(...)`: join an NCCL group with a sender (GPU, disaggregated).
 """
 
@@ -101,8 +105,10 @@ class WeightReceiver:
     `prompt_logprobs(sequences)`.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine, in_flight: bool = False):
+        """`in_flight`: accept a sync while generation requests are in flight (module docstring)."""
         self.engine = engine
+        self.in_flight = in_flight
         self._vllm = hasattr(engine, "llm")
         self._sync_id: int | None = None
         self._received: dict[tuple[int, int], list[str]] = {}
@@ -139,7 +145,7 @@ class WeightReceiver:
         self._version_before = int(self.engine.weight_version)
         if getattr(self.engine, "_sleeping", False):
             self.engine.wake_up()  # colocated GPU engines sleep during training: wake before loading
-        if self._vllm and self.engine.llm.llm_engine.has_unfinished_requests():
+        if self._vllm and not self.in_flight and self.engine.llm.llm_engine.has_unfinished_requests():
             raise SyncError("weight sync started while the engine still has generation requests in flight")
 
     def load_bucket(self, header: BucketHeader, payload: dict, verify: bool = True) -> dict:
@@ -169,8 +175,11 @@ class WeightReceiver:
             "load_s": max(r["load_s"] for r in results),
         }
 
-    def finish(self, sync_id: int, manifest: dict[tuple[int, int], list[str]]) -> int:
-        """End a sync: every bucket in `manifest` must have arrived; reset the prefix cache, bump the version."""
+    def finish(
+        self, sync_id: int, manifest: dict[tuple[int, int], list[str]], version: int | None = None
+    ) -> int:
+        """End a sync: every bucket in `manifest` must have arrived; reset the prefix cache and label
+        the weights `version` (default: the version before the sync plus one)."""
         if self._vllm:
             self.engine.llm.collective_rpc(release_on_worker)
         else:
@@ -185,32 +194,22 @@ class WeightReceiver:
                 f"first is bucket {index} from actor rank {sender} with {len(names)} tensors "
                 f"({', '.join(names[:4])}{' ...' if len(names) > 4 else ''})"
             )
-        if self._vllm:
-            self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
-        self.engine.weight_version = self._version_before + 1
+        version = self._version_before + 1 if version is None else int(version)
+        if self._vllm:  # cached KV was computed with the old weights
+            self.engine.weights_changed(version)
+        else:
+            self.engine.weight_version = version
         self._sync_id = None
         self._received = {}
         return int(self.engine.weight_version)
 
     def probe(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Engine log p(token i | tokens < i) for i >= 1 of each sequence (fp32 values as floats)."""
-        if not self._vllm:
-            if not hasattr(self.engine, "prompt_logprobs"):
-                raise SyncError(
-                    f"{type(self.engine).__name__} has no prompt_logprobs(); set sync.verify=false for it"
-                )
-            return [list(map(float, x)) for x in self.engine.prompt_logprobs(sequences)]
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in sequences]
-        outputs = self.engine.llm.generate(prompts, params, use_tqdm=False)
-        result = []
-        for seq, out in zip(sequences, outputs):
-            steps = out.prompt_logprobs
-            result.append([float(steps[i][int(seq[i])].logprob) for i in range(1, len(seq))])
-        return result
+        if not hasattr(self.engine, "prompt_logprobs"):
+            raise SyncError(
+                f"{type(self.engine).__name__} has no prompt_logprobs(); set sync.verify=false for it"
+            )
+        return [list(map(float, x)) for x in self.engine.prompt_logprobs(sequences)]
 
     def init_nccl(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         """Join the NCCL weight-sync group of one sender (each engine worker at rank_offset + its rank)."""

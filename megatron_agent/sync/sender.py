@@ -225,8 +225,9 @@ class WeightSender:
             self._shared.close()
 
     # ------------------------------------------------------------------------------- sync
-    def sync(self) -> dict:
-        """Collective: send the current weights to every engine, finish, and verify; returns metrics."""
+    def sync(self, version: int | None = None) -> dict:
+        """Collective: send the current weights to every engine, finish (the engines then label
+        them `version`; default: one more than they had), and verify; returns metrics."""
         t_start = time.perf_counter()
         self.num_syncs += 1
         sync_id = self.num_syncs
@@ -266,7 +267,7 @@ class WeightSender:
                 # behind it) can follow the last bucket at once. Each engine runs its calls in
                 # order, so it finishes and scores as soon as it has loaded, while the actor's
                 # probe runs; a bucket that failed to load makes `finish` fail, as below.
-                early = self._send_finish(sync_id, manifest)
+                early = self._send_finish(sync_id, manifest, version)
             # The actor's side of the probe depends only on the actor's weights, which a sync does
             # not change: it runs (collectively, on every rank) while the engines load the last
             # buckets. Even on an oversubscribed CPU this is the faster order: on 2 cores with two
@@ -293,7 +294,7 @@ class WeightSender:
             try:
                 if early is None:
                     merged = {k: v for s in states for k, v in s["manifest"].items()}
-                    early = self._send_finish(sync_id, merged)
+                    early = self._send_finish(sync_id, merged, version)
                 calls, probe_calls = early
                 version = [c.result(self.cfg.timeout_s) for c in calls][0]
             except SyncError as e:
@@ -315,11 +316,11 @@ class WeightSender:
 
         return ps.get_pipeline_model_parallel_world_size() == 1
 
-    def _send_finish(self, sync_id: int, manifest: dict) -> tuple[list, list | None]:
+    def _send_finish(self, sync_id: int, manifest: dict, version: int | None) -> tuple[list, list | None]:
         """Leader: send `finish` with the sync's full manifest to every engine, and the probe right
         behind it without waiting (each engine runs its calls in order: one round trip fewer; the
         probe's answer is read only if `finish` succeeded). Returns both lists of pending calls."""
-        calls = [ep.call("finish", sync_id, manifest) for ep in self.endpoints]
+        calls = [ep.call("finish", sync_id, manifest, version) for ep in self.endpoints]
         probes = [ep.call("probe", self.probe_ids) for ep in self.endpoints] if self.cfg.verify else None
         return calls, probes
 

@@ -277,9 +277,10 @@ class MegatronWorker:
         if self.sender is not None:
             self.sender.close()
 
-    def sync_weights(self) -> dict:
-        """Collective: push the actor's weights into every engine and verify them."""
-        return self.sender.sync()
+    def sync_weights(self, version: int | None = None) -> dict:
+        """Collective: push the actor's weights into every engine, labelled `version` (default:
+        one more than the engines had), and verify them."""
+        return self.sender.sync(version)
 
     def save_checkpoint(self, ckpt_dir: str, hf_dir: str, extra_meta: dict | None = None) -> str:
         """Collective: the actor's weights as an atomic Megatron checkpoint (loads at any layout)."""

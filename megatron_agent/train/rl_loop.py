@@ -17,7 +17,7 @@ the update's own forward; otherwise the log-prob stage computes them. Only `rl_s
 the stages' products to the batch. `Trainer` (trainer.py) owns the workers; this file is the
 algorithm. In an async run (`trainer.mode=async`) the rollout stage takes the batch admitted for
 this step (`RolloutPipeline.rollouts`; train/async_rollouts.py), the step checks the staleness of its
-tokens, and the engines finish their admitted batches before the sync.
+tokens, and the sync interrupts the engines' rollouts in flight (they continue under the new weights).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
                     max_staleness=t.plan.max_staleness,
                 )
             )
-            m["timing_s/wait_rollout"] += pipeline.drain()  # the engines take the weights idle
+            pipeline.before_sync(step)  # the sync then interrupts the rollouts in flight
         with timer(m, "update_weights"):
             m.update(t.sync())
         if t.cfg.trainer.dump_rollouts:

@@ -3,14 +3,32 @@
 The engine lives in its own process (on CPU too), so the trainer's Megatron ranks and vLLM never
 share an interpreter. The driver calls `generate`; the Megatron ranks push weights through
 `sync_call`, which forwards to `sync.WeightReceiver` (buckets in shared memory on one host, CUDA
-IPC or NCCL on GPUs). Trajectories record the engine's `weight_version`.
+IPC or NCCL on GPUs). Trajectories record the weight version that sampled each token.
+
+Threads. Ray runs the methods in three concurrency groups: `generate` in "rollout" (one call at a
+time; in an asynchronous run that is not deterministic, the batches admitted ahead of the
+trainer run at once and share the engine's continuous batch), the weight sync's calls in "sync"
+(one at a time, in order, also while rollouts run), the rest in the default group. None of them
+touches the engine itself: each hands its work to the `EngineThread`, the one thread on which
+the engine was built and is stepped, so a sync's calls always run between two engine steps.
+
+A sync while rollouts are in flight (`trainer.mode=async`): the sync's first call pauses the
+engine between two steps (`AsyncEngine.pause`); the buckets load; `finish` makes the running
+requests recompute their KV under the new weights (or keep it: `async.keep_kv`); the probe runs;
+the engine resumes, and the interrupted requests continue. In deterministic mode the point is
+fixed by the config: a rollout that a sync will interrupt pauses by itself after
+`async.interrupt_after_engine_steps` engine steps and waits, and the sync waits for the rollout
+the driver names (`sync_point`) to reach that point or to end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import time
+
+import ray
 
 from megatron_agent.config import RunPlan, config_from_dict
 from megatron_agent.train.drills import DrillPlan, Drills
@@ -19,50 +37,93 @@ from megatron_agent.train.drills import DrillPlan, Drills
 class RolloutWorker:
     """One rollout engine with the agent loop."""
 
+    @staticmethod
+    def concurrency_groups(plan: RunPlan) -> dict[str, int]:
+        """Ray concurrency groups of the actor (`RunPlan.rollout_concurrency` rollouts at once)."""
+        return {"rollout": plan.rollout_concurrency, "sync": 1}
+
     def __init__(self, rank: int, num_engines: int, log_path: str, cfg_dict: dict, plan_dict: dict):
-        from megatron_agent.rollout.factory import build_agent_loop, build_engine, build_toolset
+        from megatron_agent.rollout.async_engine import EngineThread
         from megatron_agent.train.cluster import redirect_output
 
         redirect_output(log_path)
         self.rank = rank
         self.cfg = cfg = config_from_dict(cfg_dict)
-        plan = RunPlan.from_dict(plan_dict)
-        run_dir = cfg.trainer.run_dir
-        os.environ.setdefault("TMPDIR", run_dir)
+        self.plan = plan = RunPlan.from_dict(plan_dict)
+        os.environ.setdefault("TMPDIR", cfg.trainer.run_dir)
         self.drills = Drills(DrillPlan.from_config(cfg))  # no-ops unless debug.* is set
+        self.thread = EngineThread()
+        self.thread.call(self._build, cfg, plan)
+        self.receiver = None
+        self.step = 0
+        self._idle_s, self._last_end, self._active = 0.0, None, 0
+        self._ended_step = 0  # the newest RL step whose rollout ended here
+        self._pausing_step: int | None = None  # the RL step whose rollout pauses for a sync
+        self._sync_point: tuple[int, bool] | None = None
+        self._in_sync = False
+
+    def _build(self, cfg, plan: RunPlan) -> None:
+        """The engine, the tools and the agent loop (on the engine thread)."""
+        from megatron_agent.rollout.factory import build_agent_loop, build_engine, build_toolset
+
         processors = self.drills.engine_logits_processors()
+        run_dir = cfg.trainer.run_dir
         self.engine = build_engine(cfg, plan.model_path, cache_dir=run_dir, logits_processors=processors)
         hook = self.drills.turn_hook(self.engine.tokenizer)
         tools = build_toolset(cfg, plan.tools, plan.search_index_dir)
         self.loop = build_agent_loop(cfg, self.engine, tools, turn_hook=hook)
-        self.receiver = None
-        self.step = 0
-        self._idle_s, self._last_end = 0.0, None
+        self.pump = self.loop.engine  # the AsyncEngine that steps the engine
 
     def ping(self) -> int:
         """Liveness check; returns the engine index."""
         return self.rank
 
-    def generate(self, tasks: list, n: int, greedy: bool = False) -> list:
-        """`n` trajectories per task (task-major order); greedy for validation."""
-        base = self.loop.config
+    # ----------------------------------------------------------------------------- rollouts
+    @ray.method(concurrency_group="rollout")
+    def generate(
+        self,
+        tasks: list,
+        n: int,
+        greedy: bool = False,
+        reseed: tuple | None = None,
+        pause_after: int | None = None,
+    ) -> list:
+        """`n` trajectories per task (task-major order); greedy for validation. `reseed`: the
+        `reseed` arguments of this rollout (an async run's batch brings its own); `pause_after`:
+        engine steps after which the rollout pauses for a sync (deterministic async runs)."""
+        if reseed is not None:
+            self.reseed(*reseed)
+        step = self.step if reseed is None else reseed[1]
+        return self.thread.run(self._generate(tasks, n, greedy, step, pause_after))
+
+    async def _generate(self, tasks: list, n: int, greedy: bool, step: int, pause_after: int | None) -> list:
+        config = self.loop.config
         if greedy:
-            self.loop.config = dataclasses.replace(base, temperature=0.0, top_p=1.0, top_k=-1)
+            config = dataclasses.replace(config, temperature=0.0, top_p=1.0, top_k=-1)
         if self.cfg.trainer.deterministic and hasattr(self.engine, "reset_prefix_cache"):
             self.engine.reset_prefix_cache()  # the same (empty) cache whatever ran before
         if not greedy:
-            self.drills.reached("rollout", self.step)
-        if self._last_end is not None:
+            self.drills.reached("rollout", step)
+        if self._active == 0 and self._last_end is not None:
             self._idle_s += time.perf_counter() - self._last_end
+        self._active += 1
         try:
+            if pause_after is not None:
+                self._pausing_step = step
+                self.pump.pause_after(self.pump.num_steps + pause_after)
             with self.drills.around_rollout(self.engine, self.rank, greedy):
-                return self.loop.run(tasks, n)
+                return await self.loop.run_async(tasks, n, config=config)
         finally:
-            self.loop.config = base
+            if pause_after is not None:
+                self.pump.pause_after(None)
+                self._pausing_step = None
+            if not greedy:
+                self._ended_step = max(self._ended_step, step)
+            self._active -= 1
             self._last_end = time.perf_counter()
 
     def idle_seconds(self) -> float:
-        """Seconds this engine waited between rollouts since the last call (an async run's
+        """Seconds this engine ran no rollout since the last call (an async run's
         `timing_s/wait_update`)."""
         idle, self._idle_s = self._idle_s, 0.0
         return idle
@@ -82,10 +143,6 @@ class RolloutWorker:
         if self.loop.config.seed is not None:  # deterministic mode: per-request seeds of this step
             self.loop.config = dataclasses.replace(self.loop.config, seed=seed)
 
-    def set_weight_version(self, version: int) -> None:
-        """Continue the version count of a resumed run (the next sync makes it `version + 1`)."""
-        self.engine.weight_version = int(version)
-
     def tool_metrics(self) -> dict[str, float]:
         """`tool/unsandboxed` (since the last call) and `tool/sandboxed` of this engine's tools."""
         from megatron_agent.envs.tools import sandbox_metrics
@@ -96,14 +153,51 @@ class RolloutWorker:
         """The engine's weight version (bumped by every sync)."""
         return self.engine.weight_version
 
+    # ----------------------------------------------------------------------------- weights
+    @ray.method(concurrency_group="sync")
+    def set_weight_version(self, version: int) -> None:
+        """Continue the version count of a resumed run (the next sync makes it `version + 1`)."""
+        self.thread.call(setattr, self.engine, "weight_version", int(version))
+
+    @ray.method(concurrency_group="sync")
+    def sync_point(self, step: int, may_pause: bool) -> None:
+        """Where the next sync applies (deterministic async runs): once the rollout of RL step
+        `step` has ended here or, with `may_pause`, paused for it (`generate`'s `pause_after`)."""
+        self._sync_point = (int(step), bool(may_pause))
+
+    @ray.method(concurrency_group="sync")
     def sync_call(self, method: str, *args, **kwargs):
-        """Entry point of the weight sync (see `megatron_agent.sync`)."""
+        """Entry point of the weight sync (see `megatron_agent.sync`), run between engine steps."""
+        return self.thread.run(self._sync_call(method, *args, **kwargs))
+
+    async def _sync_call(self, method: str, *args, **kwargs):
         if self.receiver is None:
             from megatron_agent.sync import WeightReceiver
 
-            self.receiver = WeightReceiver(self.engine)
-        return self.receiver.handle(method, *args, **kwargs)
+            self.receiver = WeightReceiver(self.engine, in_flight=self.plan.mode == "async")
+        if method in ("load_bucket", "finish") and not self._in_sync:  # a sync starts
+            await self._reach_sync_point()
+            self.pump.pause()
+            self._in_sync = True
+        result = self.receiver.handle(method, *args, **kwargs)
+        last = "probe" if self.cfg.sync.verify else "finish"
+        if self._in_sync and method == last:  # the sync is over: generation goes on
+            self._in_sync = False
+            self.pump.resume()
+        return result
+
+    async def _reach_sync_point(self) -> None:
+        """Wait until the engine is at the point `sync_point` named (at once when none was)."""
+        point, self._sync_point = self._sync_point, None
+        if point is None:
+            return
+        step, may_pause = point
+        while not (
+            self._ended_step >= step or (may_pause and self._pausing_step == step and self.pump.paused)
+        ):
+            await asyncio.sleep(0.002)  # a state that, once reached, holds until this sync
 
     def close(self) -> None:
-        """Stop the agent loop's engine pump."""
-        self.loop.engine.close()
+        """Stop the agent loop's engine pump and the engine thread."""
+        self.thread.call(self.loop.engine.close)
+        self.thread.close()

@@ -88,6 +88,8 @@ class Trainer:
         self.weight_version = 0  # the engines' weight version after the latest sync
         self.actor_version = 1  # the version the actor's weights take at their next sync
         self._engine_reseed: tuple = ()  # the latest reseed, replayed into a replacement engine
+        self.replaced: set[int] = set()  # ranks of the engines replaced in this run
+        self._last_sync: dict = {}  # the latest sync's metrics
 
     # ----------------------------------------------------------------------------- data
     def _load_tasks(self, path: str, seed: int, validation: bool = False) -> tuple[list[Task], int]:
@@ -165,6 +167,11 @@ class Trainer:
         self.infos = self.actors.call("setup", host, port, cfg.trainer.init_from)
         if not engines:
             return
+        engine_env = engine_process_env()
+        if self.plan.mode == "async":
+            # The engine core in the engine's process on GPU too: a sync then stops it exactly
+            # between two steps (a separate core process runs ahead of the steps we see).
+            engine_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.engines = WorkerGroup(
             RolloutWorker,
             cfg.rollout.num_engines,
@@ -174,7 +181,8 @@ class Trainer:
             num_gpus=cfg.rollout.tp if on_gpu and not cfg.rollout.colocate else 0,
             init_args=(cfg_dict, plan_dict),
             timeout_s=timeout,
-            env_vars=engine_process_env(),
+            env_vars=engine_env,
+            concurrency_groups=RolloutWorker.concurrency_groups(self.plan),
         )
         self.engines.call("ping")
         self.actors.call("connect_engines", self.engines.workers)
@@ -200,20 +208,21 @@ class Trainer:
         return self.submit_rollout(tasks, n, greedy=greedy).result()
 
     def submit_rollout(
-        self, tasks: list[Task], n: int, *, greedy: bool = False, reseed=None
+        self, tasks: list[Task], n: int, *, greedy: bool = False, reseed=None, pause_after: int | None = None
     ) -> PendingRollout:
-        """Start `rollout` on the engines and return at once; `.result()` collects it. Calls on an
-        engine run in the order they were submitted (an async run queues several steps).
-        `reseed`: the `reseed` arguments this rollout was submitted after (an async run's), given
-        again to an engine that replaces a dead one before it rolls the share out again."""
+        """Start `rollout` on the engines and return at once; `.result()` collects it. `reseed`:
+        the `reseed` arguments the engines apply first (an async run's batches carry their own,
+        also into an engine that replaces a dead one); `pause_after`: engine steps after which
+        each engine's rollout pauses for a weight sync (deterministic async runs)."""
         num = len(self.engines)
         parts = [tasks[i::num] for i in range(num)]
-        return PendingRollout(self, tasks, parts, n, greedy, reseed)
+        return PendingRollout(self, tasks, parts, n, greedy, reseed, pause_after)
 
     def replace_engines(self, dead: list[WorkerDiedError]) -> None:
         """Start a new engine for each dead one (same rank and config), reconnect the actor's
-        senders, and sync the current weights into every engine, verified, at the version the
-        engines had: the new engine continues the weight version count.
+        senders, and sync the actor's weights into every engine, verified, labelled
+        `actor_version`: the version the engines had, or the next one when the actor updated
+        since (an async run's engine that died while the update ran).
 
         Raises the death's `WorkerDiedError` when it would exceed `rollout.max_engine_restarts`."""
         limit = self.cfg.rollout.max_engine_restarts
@@ -242,13 +251,9 @@ class Trainer:
         if self._engine_reseed:
             self.engines.call("reseed", *self._engine_reseed, ranks=ranks)
         self.actors.call("connect_engines", self.engines.workers)
+        self.replaced.update(ranks)
         if self.weight_version > 0:  # else every engine still serves the initial weights
-            # Every engine to the actor's version - 1, so that this sync (into all of them) ends at
-            # the actor's version: the version the engines had, or the next one when the actor has
-            # updated since (an async run's engine that died while the update ran).
-            self.engines.call("set_weight_version", self.actor_version - 1)
-            self.weight_version = self.actor_version - 1
-            m = self.sync()
+            m = self.sync(force=True)
             logger.warning(
                 "rollout engines %s: weights version %d synced (sync/verified=%d, probe max abs diff "
                 "%.2e) in %.1f s",
@@ -259,13 +264,22 @@ class Trainer:
                 m["sync/seconds"],
             )
 
-    def reseed_engines(self, *args, wait: bool = True) -> None:
-        """`reseed(*args)` on every engine; remembered, so that a replacement engine gets it too.
-        `wait=False` queues it before the engines' next calls and returns at once."""
+    def reseed_engines(self, *args) -> None:
+        """`reseed(*args)` on every engine; remembered, so that a replacement engine gets it too."""
         self._engine_reseed = args
-        call = self.engines.submit("reseed", *args)
-        if wait:
-            call.result()
+        self.engines.call("reseed", *args)
+
+    def replace_dead_engines(self) -> None:
+        """Ping every engine and replace the dead ones (`replace_engines`): an async run checks
+        before each sync, which would otherwise fail on an engine that died generating ahead."""
+        dead = []
+        for rank in range(len(self.engines)):
+            try:
+                self.engines.call("ping", ranks=[rank])
+            except WorkerDiedError as exc:
+                dead.append(exc)
+        if dead:
+            self.replace_engines(dead)
 
     def tool_metrics(self) -> dict[str, float]:
         """Sandbox metrics of the engines' tools (`merge_tool_metrics`)."""
@@ -312,17 +326,20 @@ class Trainer:
         self.actor_version = self.weight_version + 1  # what this update makes, at its sync
         return combine_replicas(results), tensors
 
-    def sync(self) -> dict[str, float]:
+    def sync(self, force: bool = False) -> dict[str, float]:
         """Push the actor's weights into every engine, verified (collective over the Megatron
-        world); the engines then hold `actor_version`."""
-        if self.weight_version != self.actor_version - 1:  # a resume, or weights already synced
-            self.engines.call("set_weight_version", self.actor_version - 1)
-        metrics = self.actors.call("sync_weights")[0]
+        world); the engines then hold them labelled `actor_version`. When they hold them already
+        (an engine replaced since the update synced every engine), the metrics of that sync,
+        unless `force`."""
+        if self.weight_version == self.actor_version and self._last_sync and not force:
+            return dict(self._last_sync)
+        metrics = self.actors.call("sync_weights", self.actor_version)[0]
         self.weight_version = int(metrics["sync/weight_version"])
         if self.weight_version != self.actor_version:
             raise RuntimeError(
                 f"the sync left the engines at version {self.weight_version}, not {self.actor_version}"
             )
+        self._last_sync = metrics
         return metrics
 
 
@@ -332,22 +349,32 @@ class PendingRollout:
     An engine whose process dies meanwhile is replaced (`Trainer.replace_engines`) and its whole
     share is rolled out again on the new one (its partial trajectories are lost with it). In an
     async run later rollouts were queued on the dead engine too: they find it replaced already
-    and resubmit to the new one, after their own `reseed` (the seeds of their step)."""
+    and resubmit to the new one, with their own `reseed` (the seeds of their step)."""
 
     def __init__(
-        self, trainer: Trainer, tasks: list[Task], parts: list[list[Task]], n: int, greedy: bool, reseed=None
+        self,
+        trainer: Trainer,
+        tasks: list[Task],
+        parts: list[list[Task]],
+        n: int,
+        greedy: bool,
+        reseed=None,
+        pause_after: int | None = None,
     ):
         self.trainer, self.tasks, self.parts, self.n, self.greedy = trainer, tasks, parts, n, greedy
-        self.reseed = reseed
+        self.options = {"reseed": reseed, "pause_after": pause_after} if reseed or pause_after else {}
         self.pending = {i: (parts[i], n, greedy) for i in range(len(parts)) if parts[i]}
         self.calls = self._submit()
 
-    def _submit(self, again: bool = False) -> dict:
-        engines = self.trainer.engines
-        if again and self.reseed is not None:
-            engines.submit("reseed", *self.reseed, ranks=list(self.pending))
+    def _submit(self) -> dict:
+        engines, calls = self.trainer.engines, {}
         self.handles = {rank: engines.workers[rank] for rank in self.pending}
-        return {rank: engines.submit("generate", *a, ranks=[rank]) for rank, a in self.pending.items()}
+        for rank, args in self.pending.items():
+            options = dict(self.options)
+            if rank in self.trainer.replaced:  # a new engine takes syncs as they come: no pause
+                options.pop("pause_after", None)  # (it may run a newer batch first)
+            calls[rank] = engines.submit("generate", *args, ranks=[rank], **options)
+        return calls
 
     def result(self) -> list:
         """The trajectories, task-major (waits for the engines)."""
@@ -367,7 +394,7 @@ class PendingRollout:
                 if still_there:  # else replaced already, for an earlier rollout queued on it
                     self.trainer.replace_engines(still_there)
                 self.pending = {exc.rank: self.pending[exc.rank] for exc in dead}
-                self.calls = self._submit(again=True) if self.pending else {}
+                self.calls = self._submit() if self.pending else {}
         by_task = {}
         for rank, trajs in sorted(results.items()):
             for k, task in enumerate(self.parts[rank]):

@@ -120,6 +120,13 @@ CONTEXT: dict[str, list[str]] = {
     "parallel.vpp": ["parallel.pp=2"],
     "trainer.mode": ["algorithm.off_policy_loss=decoupled"],  # async needs a correction
     "async_.max_staleness": ["trainer.mode=async", "algorithm.off_policy_loss=decoupled"],
+    "async_.keep_kv": ["trainer.mode=async", "algorithm.off_policy_loss=decoupled"],
+    "async_.interrupt_after_engine_steps": [  # batch 2 pauses for the sync after update 1
+        "trainer.mode=async",
+        "algorithm.off_policy_loss=decoupled",
+        "trainer.deterministic=true",
+        "trainer.total_steps=2",
+    ],
     "rollout.max_engine_restarts": ["debug.kill_engine_at_step=1"],
     "algorithm.kl_loss_estimator": ["algorithm.kl_loss_coef=0.1"],
     "algorithm.kl_reward_estimator": ["algorithm.kl_reward_coef=0.1"],

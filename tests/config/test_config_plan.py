@@ -95,6 +95,11 @@ ASYNC = ["trainer.mode=async", "algorithm.off_policy_loss=decoupled"]
         ([*ASYNC, "async.max_staleness=-1"], "async.max_staleness=-1 must be >= 0"),
         ([*ASYNC, "algorithm.rollout_is=none"], "algorithm.rollout_is=none turns those weights off"),
         ([*ASYNC, "algorithm.dynamic_sampling=true"], "not supported with trainer.mode=async yet"),
+        ([*ASYNC, "algorithm.adv_estimator=remax"], "remax is not supported with trainer.mode=async"),
+        (
+            [*ASYNC, "async.interrupt_after_engine_steps=0"],
+            "async.interrupt_after_engine_steps=0 must be >= 1",
+        ),
         (
             ["async.max_stalenes=2"],
             "unknown config key 'async.max_stalenes'; did you mean 'async.max_staleness'",
@@ -115,6 +120,9 @@ def test_the_off_policy_loss_sets_the_proximal_pass_and_the_weights():
     )
     assert plan("algorithm.off_policy_loss=tis", "algorithm.rollout_is=sequence").rollout_is == "sequence"
     assert plan("async.max_staleness=3").max_staleness == 0  # sync mode: no staleness
+    # Rollouts an engine runs at once: the batches ahead and a validation, unless deterministic.
+    assert plan(*ASYNC, "async.max_staleness=2").rollout_concurrency == 4
+    assert plan(*ASYNC, "trainer.deterministic=true").rollout_concurrency == 1 == plan().rollout_concurrency
     assert plan().rollout_is_mode == "truncate" and plan().mode == "sync"
 
 
@@ -125,5 +133,5 @@ def test_the_async_section_round_trips_under_its_yaml_key(tmp_path):
     path.write_text("trainer: {mode: async}\nalgorithm: {off_policy_loss: tis}\nasync: {max_staleness: 2}\n")
     cfg = load_config(path)
     data = config_to_dict(cfg)
-    assert data["async"] == {"max_staleness": 2} and "async_" not in data
+    assert data["async"]["max_staleness"] == 2 and "async_" not in data
     assert config_from_dict(data).async_.max_staleness == 2

@@ -4,8 +4,10 @@
   `trainer.mode=sync` with the same knobs (the decoupled loss in both): the same rollout dumps
   (tokens, provenance, policy versions, masks) and the same metrics, bar the async-only ones;
 - eta = 1 (slow): every trained token at most one version old, some exactly one (the engines
-  generated ahead); a run killed in a rollout, an update and a save in turn and resumed, and a
-  run stopped by SIGTERM and resumed, equal the uninterrupted one (the checkpoint keeps the
+  generated ahead); each sync interrupts the batch generating ahead at a fixed engine step, its
+  requests continue under the new weights, and their tokens agree with the trainer at the new
+  version; a run killed in a rollout, an update and a save in turn and resumed, and a run
+  stopped by SIGTERM and resumed, equal the uninterrupted one (the checkpoint keeps the
   admitted, untrained batch);
 - eta = 2 (slow): two versions behind at most; an engine killed while the actor updates (slow).
 """
@@ -78,7 +80,12 @@ def test_staleness_0_is_the_synchronous_run(tmp_path):
     assert all(m["critic/advantages/max"] > 0 for s, m in sync[0].items() if s >= 1)  # updates moved
 
 
-ETA1 = ["trainer.mode=async", "async.max_staleness=1", "checkpoint.save_freq=1"]
+ETA1 = [
+    "trainer.mode=async",
+    "async.max_staleness=1",
+    "async.interrupt_after_engine_steps=6",
+    "checkpoint.save_freq=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +104,21 @@ def _assert_same_run(got, want) -> None:
 
 
 def test_eta_1_trains_one_version_behind_and_resumes_exactly(eta1, tmp_path):
+    metrics = {r["step"]: r for r in eta1[2]}
     for step in range(1, STEPS + 1):
         versions = _versions(eta1[1][step])
         assert min(versions) >= step - 1, (step, versions)  # the bound, read from the dumps
         if step >= 2:
-            assert versions == {step - 1}, (step, versions)  # generated while step - 1 trained
+            # Generated while step - 1 trained, interrupted by its sync after 6 engine steps: every
+            # request in flight switches from version step - 1 to step at the same token.
+            assert versions == {step - 1, step}, (step, versions)
+            for row in eta1[1][step]:
+                sampled = [v for v in row["policy_versions"] if v is not None]
+                assert sampled == sorted(sampled), row["uid"]  # one switch, never back
+            assert metrics[step]["async/interrupted_requests"] > 0
+            # Tokens sampled after the interruption: the trainer's weights (fp32, recomputed KV).
+            assert metrics[step]["mismatch/staleness_0/abs_diff_mean"] < 1e-3
+            assert metrics[step]["mismatch/staleness_1/abs_diff_mean"] > 1e-2
         # The samples of a prompt differ (an async stack that reset the RNG made them identical).
         groups: dict[str, list] = {}
         for row in eta1[1][step]:
@@ -135,7 +152,7 @@ def test_sigterm_saves_the_admitted_batch_exits_0_and_resumes_exactly(eta1, tmp_
 
 def test_an_engine_killed_while_the_actor_updates_rolls_out_again_under_honest_versions(tmp_path):
     # eta = 1: batch 4 generates (at version 3) while step 3 updates. Engine 0 kills itself in
-    # that rollout; the drain before step 3's sync finds it dead, starts a new engine and syncs
+    # that rollout; the check before step 3's sync finds it dead, starts a new engine and syncs
     # the updated weights into every engine as version 4 (not as 3: the actor moved on), and
     # engine 0's share of batch 4 is rolled out again under them.
     run_dir = tmp_path / "killed_engine"
@@ -145,7 +162,9 @@ def test_an_engine_killed_while_the_actor_updates_rolls_out_again_under_honest_v
     last = {r["step"]: r for r in rows}
     assert last[STEPS]["rollout/engine_restarts"] == 1
     engine0, engine1 = dumps[4][:2], dumps[4][2:]  # one prompt per engine, rollout.n=2 each
-    assert _versions(engine0) == {4} and _versions(engine1) == {3}
+    # Engine 0's share rolled again after the new weights went in; engine 1's began at version
+    # 3, and the sync that the replacement made interrupted it (its later tokens: version 4).
+    assert _versions(engine0) == {4} and 3 in _versions(engine1) <= {3, 4}
     # Labelled 4, sampled by the weights that step 4 trains from: engine and trainer agree.
     assert last[4]["mismatch/staleness_0/abs_diff_mean"] < 1e-4
     assert last[4]["mismatch/staleness_1/abs_diff_mean"] > 10 * last[4]["mismatch/staleness_0/abs_diff_mean"]
@@ -156,6 +175,7 @@ def test_eta_2_trains_two_versions_behind_at_most(tmp_path):
     _train(run_dir, *DECOUPLED, "trainer.mode=async", "async.max_staleness=2")
     _, dumps, rows = _comparable(run_dir)
     for step in range(1, STEPS + 1):
-        # Batch k is admitted at the start of step k - 2 (version k - 2), or at the start.
-        assert _versions(dumps[step]) == {max(1, step - 2)}, step
+        # Batch k is admitted at the start of step k - 2 (version k - 2), or at the start, and
+        # from k = 3 on the sync after update k - 2 interrupts it (then version k - 1).
+        assert _versions(dumps[step]) == ({1} if step <= 2 else {step - 2, step - 1}), step
     assert max(r.get("async/staleness/max", 0) for r in rows) == 2

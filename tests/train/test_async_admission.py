@@ -1,6 +1,7 @@
 """Admission under the staleness bound (train/async_rollouts.py), on a stand-in for the trainer
 that records what would be submitted to the engines: how many batches are ahead, in which
-order, and the check that refuses a token older than the bound."""
+order, where a deterministic run's syncs interrupt them, and the check that refuses a token
+older than the bound."""
 
 import pytest
 import torch
@@ -13,35 +14,43 @@ from megatron_agent.train.batch import RLBatch
 
 
 class Engines(list):
-    """One engine that records the calls queued on it."""
+    """Two engines that record the calls made on them."""
 
     def __init__(self, calls):
-        super().__init__([None])
+        super().__init__([None, None])
         self.calls = calls
 
-    def submit(self, method, ranks=None):
-        self.calls.append(method)
+    def call(self, method, *args, ranks=None):
+        self.calls.append((method, *args, tuple(ranks)))
 
 
 class Recorder:
     """What the pipeline asks of the engines, in order (no engine runs)."""
 
-    def __init__(self, eta: int):
+    def __init__(self, eta: int, *overrides: str):
         self.cfg = load_config(
-            None, ["trainer.mode=async", f"async.max_staleness={eta}", "algorithm.off_policy_loss=decoupled"]
+            None,
+            [
+                "trainer.mode=async",
+                f"async.max_staleness={eta}",
+                "algorithm.off_policy_loss=decoupled",
+                "trainer.total_steps=6",
+                *overrides,
+            ],
         )
         self.plan = make_plan(self.cfg)
         self.sampler = PromptSampler(16, seed=0, shuffle=True)
         self.train_tasks = list(range(16))
         self.calls: list = []
         self.engines = Engines(self.calls)
+        self.replaced: set[int] = set()
 
-    def reseed_engines(self, seed, step, wait=True):
-        assert not wait  # queued before the batch's generation, never waited for
-        self.calls.append(("reseed", step))
+    def submit_rollout(self, tasks, n, reseed=None, pause_after=None):
+        self.calls.append(("generate", tuple(tasks), n, reseed[1], pause_after))
 
-    def submit_rollout(self, tasks, n, reseed=None):
-        self.calls.append(("generate", tuple(tasks), n))
+
+def _generated(t: Recorder) -> list[tuple]:
+    return [c for c in t.calls if c[0] == "generate"]
 
 
 @pytest.mark.parametrize("eta", [0, 1, 2])
@@ -53,8 +62,8 @@ def test_at_most_eta_plus_one_batches_are_ahead_of_the_trainer(eta):
         ahead = pipe.admitted - updates
         assert ahead == min(eta + 1, 6 - updates)  # as many as the bound allows, never more
         pipe.batches.popleft()  # the step takes its batch
-    steps = [c[1] for c in t.calls if isinstance(c, tuple) and c[0] == "reseed"]
-    assert steps == [1, 2, 3, 4, 5, 6]  # each batch once, in step order
+    assert [c[3] for c in _generated(t)] == [1, 2, 3, 4, 5, 6]  # each batch once, with its seeds
+    assert all(c[4] is None for c in _generated(t))  # not deterministic: syncs interrupt on arrival
 
 
 def test_the_prompts_are_the_samplers_order_whatever_the_bound():
@@ -64,8 +73,30 @@ def test_the_prompts_are_the_samplers_order_whatever_the_bound():
         pipe = RolloutPipeline(t, eta)
         for updates in range(4):
             pipe.admit(updates, last_step=4)
-        orders.append([c[1] for c in t.calls if isinstance(c, tuple) and c[0] == "generate"])
+        orders.append([c[1] for c in _generated(t)])
     assert orders[0] == orders[1] and len(orders[0]) == 4
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_deterministic_syncs_interrupt_fixed_batches_at_a_fixed_engine_step(eta):
+    # Sync u (after update u - 1) interrupts batch u - 1 + eta after 5 engine steps of its
+    # rollout; batches 1..eta start before any update and no sync meets them; past the last
+    # batch, a sync waits for the last rollout to end.
+    t = Recorder(eta, "trainer.deterministic=true", "async.interrupt_after_engine_steps=5")
+    pipe = RolloutPipeline(t, eta)
+    for step in range(1, 7):
+        pipe.admit(updates_done=step - 1, last_step=6)
+        pipe.batches.popleft()
+        pipe.sync_points(step)
+    pauses = {c[3]: c[4] for c in _generated(t)}
+    assert pauses == {b: (5 if b > eta else None) for b in range(1, 7)}
+    points = [c[1:] for c in t.calls if c[0] == "sync_point"]
+    ranks = (0, 1)  # data.train_batch_size=2 prompts: one share on each engine
+    want = [(s + eta, True, ranks) if s + eta <= 6 else (6, False, ranks) for s in range(1, 7)]
+    assert points == want
+    t.replaced.add(0)  # a replaced engine takes syncs as they come (no fixed point to wait for)
+    pipe.sync_points(6)
+    assert t.calls[-1] == ("sync_point", 6, False, (1,))
 
 
 def _batch(versions: list[list[int]]) -> RLBatch:

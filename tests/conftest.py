@@ -185,6 +185,7 @@ SLOW = {
     "train/test_async.py::test_sigterm": 90,
     "train/test_async.py::test_an_engine": 60,
     "train/test_async.py::test_eta_2": 45,
+    "train/test_async.py::test_a_sync_that_cannot": 70,
     "train/test_resume_paths.py": 77,
     "convert/test_export_training.py": 73,
     "convert/test_convert.py": 63,

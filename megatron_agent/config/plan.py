@@ -95,9 +95,11 @@ def old_logprobs_from_update(cfg: Config) -> bool:
     """True when the old log-probs are taken from the update's own forward (`actor.old_logprobs`).
 
     Only for on-policy steps: one PPO epoch over one mini-batch, so the weights of that forward
-    are the weights that are "old", and nothing needs the old log-probs before the update (no KL
-    in the reward, no rollout IS weights). The loss then uses the detached current log-probs as
-    old ones: the ratio is exactly 1 and the gradient is the on-policy policy gradient.
+    are the weights that are "old" (the proximal policy of an off-policy loss), and nothing needs
+    the old log-probs before the update (no KL in the reward). The loss then uses the detached
+    current log-probs as old ones: the ratio is exactly 1 and the gradient is the on-policy
+    policy gradient. Rollout IS weights (pi_old / pi_engine) are then computed inside the loss
+    from the same detached log-probs, micro-batch by micro-batch (sequences are never split).
     """
     a, algo = cfg.actor, cfg.algorithm
     return (
@@ -105,7 +107,6 @@ def old_logprobs_from_update(cfg: Config) -> bool:
         and a.ppo_epochs == 1
         and num_mini_batches(cfg) == 1
         and not algo.kl_reward_coef
-        and rollout_is(cfg) == "none"
     )
 
 

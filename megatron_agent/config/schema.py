@@ -198,10 +198,10 @@ class ActorConfig:
     micro_batch_tokens: int = 4096
     """Token budget per micro-batch (sequences are packed up to it)."""
     old_logprobs: Literal["auto", "recompute"] = "auto"
-    """Where the old log-probs come from: 'recompute' (a forward-only pass of the actor before the
-    update) or 'auto' (from the update's own forward when the step is on-policy: one PPO epoch, one
-    mini-batch, no KL in the reward and no rollout IS correction, so that old == current and the
-    ratio is exactly 1; otherwise recomputed)."""
+    """Where the old (proximal) log-probs come from: 'recompute' (a forward-only pass of the actor
+    before the update) or 'auto' (from the update's own forward when the step is on-policy: one
+    PPO epoch, one mini-batch and no KL in the reward, so that old == current and the ratio is
+    exactly 1; rollout IS weights are then computed in the loss; otherwise recomputed)."""
     lr: float = 1e-5
     """Peak learning rate."""
     lr_warmup_steps: int = 0

@@ -16,6 +16,7 @@ import torch
 from megatron_agent.models.forward_backward import forward_backward, make_micro_batches
 from megatron_agent.rl import GuardBatch, StepGuard, agg_loss, compute_kl_loss, compute_policy_loss
 from megatron_agent.rl.aggregate import global_batch_counts
+from megatron_agent.rl.mismatch import rollout_is_weights
 from megatron_agent.train.batch import RLBatch, dp_shard
 from megatron_agent.train.update_metrics import accumulate
 
@@ -91,14 +92,18 @@ class PPOUpdate:
         *,
         horizon: int,
         old_from_update: bool,
+        rollout_is: tuple[str, str] | None = None,
         chunk_tokens: int = 1024,
     ):
         """`algorithm`/`actor`: the config sections; `horizon`: Dr.GRPO's constant length;
         `old_from_update`: take old log-probs from this forward (`RunPlan.old_logprobs_from_update`);
-        `chunk_tokens`: tokens per chunk of the log-prob head (`model.logprob_chunk_tokens`)."""
+        `rollout_is`: (level, mode) of the rollout IS weights that the loss then computes from
+        them (`RunPlan.rollout_is`, `rollout_is_mode`), None for none; `chunk_tokens`: tokens
+        per chunk of the log-prob head (`model.logprob_chunk_tokens`)."""
         self.model = model
         self.chunk_tokens = chunk_tokens
         self.old_from_update = old_from_update
+        self.rollout_is = rollout_is if old_from_update else None
         self.captured: dict[str, list] = {}
         self.algo = algorithm
         self.actor = actor
@@ -136,6 +141,8 @@ class PPOUpdate:
             if self.old_from_update:
                 mb.extras["old_logp"] = logp_BT.detach()
                 self._capture(mb, [mine[i] for i in mb.indices], entropy_BT)
+                if self.rollout_is is not None:
+                    mb.extras["is_weights"] = self.is_weights(mb.extras, mask)
             loss, metrics = self.objective(
                 mb.extras, logp_BT, entropy_BT, mask, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs
             )
@@ -246,6 +253,21 @@ class PPOUpdate:
         if algo.entropy_coef != 0.0:
             loss = loss - algo.entropy_coef * agg_loss(entropy_BT, mask, algo.loss_agg_mode, **norm)
         return loss, metrics
+
+    def is_weights(self, extras: dict, mask) -> torch.Tensor:
+        """The rollout IS weights pi_old / pi_engine [B, T] of one micro-batch whose old (proximal)
+        log-probs are its own detached forward: what the driver computes before the update when a
+        forward-only pass gives them (`rl_loop.importance_weights`)."""
+        level, mode = self.rollout_is
+        weights, _ = rollout_is_weights(
+            extras["rollout_logp"],
+            extras["old_logp"],
+            mask,
+            level=level,
+            cap=self.algo.rollout_is_cap,
+            mode=mode,
+        )
+        return weights
 
     def _capture(self, mb, batch_indices: list[int], entropy_BT) -> None:
         """Keep each row's old log-probs and entropy [L-1] (the step's `old_logp` and `entropy`)."""

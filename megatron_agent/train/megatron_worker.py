@@ -82,6 +82,7 @@ def ppo_update(cfg: Config, plan: RunPlan, model, scheduler, *, console: bool):
         scheduler,
         horizon=cfg.rollout.max_total_tokens,
         old_from_update=plan.old_logprobs_from_update,
+        rollout_is=None if plan.rollout_is == "none" else (plan.rollout_is, plan.rollout_is_mode),
         chunk_tokens=cfg.model.logprob_chunk_tokens,
     )
 
@@ -265,7 +266,7 @@ class MegatronWorker:
         """Create the weight sender towards the rollout engines (Ray actor handles)."""
         from megatron_agent.sync import RayEndpoint, WeightSender
 
-        endpoints = [RayEndpoint(h) for h in engine_handles]
+        endpoints = [RayEndpoint(h, name=f"rollout engine {i}") for i, h in enumerate(engine_handles)]
         if self.sender is not None:  # reconnecting (a replaced engine): free its shared segment
             self.sender.close()
         self.sender = WeightSender(

@@ -12,8 +12,9 @@
     sync          the weights into the rollout engines (verified)           `Trainer.sync`
 
 Where old log-probs come from is decided once, in the plan (`RunPlan.old_logprobs_from_update`):
-on-policy steps (one epoch, one mini-batch, no KL in the reward, no IS weights) take them from
-the update's own forward; otherwise the log-prob stage computes them. Only `rl_step` attaches
+on-policy steps (one epoch, one mini-batch, no KL in the reward) take them from the update's own
+forward, and the loss computes the rollout IS weights from them (their metrics come after the
+update); otherwise the log-prob stage computes them and the IS weights come before the update. Only `rl_step` attaches
 the stages' products to the batch. `Trainer` (trainer.py) owns the workers; this file is the
 algorithm. In an async run (`trainer.mode=async`) the rollout stage takes the batch admitted for
 this step (`RolloutPipeline.rollouts`; train/async_rollouts.py), the step checks the staleness of its
@@ -98,7 +99,8 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
         with timer(m, "adv"):
             adv = advantages(t, batch, rollouts, mask_BT, m)
             batch.set_padded("advantages", adv.adv_BT)
-            if t.plan.rollout_is != "none":  # then the log-prob stage computed old log-probs
+            weights_now = t.plan.rollout_is != "none" and not t.plan.old_logprobs_from_update
+            if weights_now:  # the log-prob stage computed the old log-probs
                 w_BT, is_m = importance_weights(
                     batch, mask_BT, algo, t.plan.rollout_is, t.plan.rollout_is_mode
                 )
@@ -111,6 +113,10 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
             batch.tensors.update(tensors)  # old_logp, entropy: from the update's forward when on-policy
             m.update(update_m)
         with timer(m, "adv"):
+            if t.plan.rollout_is != "none" and not weights_now:  # the loss computed them itself
+                m.update(
+                    importance_weights(batch, mask_BT, algo, t.plan.rollout_is, t.plan.rollout_is_mode)[1]
+                )
             m.update(mismatch(batch, mask_BT, algo))
             m.update(batch_stats(batch, mask_BT, adv))
         if pipeline is not None:

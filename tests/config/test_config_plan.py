@@ -29,7 +29,8 @@ def test_defaults_are_on_policy_without_a_reference():
         ("algorithm.guard_max_abs_kl=1.0", "uses_reference", True),
         ("actor.ppo_epochs=2", "old_logprobs_from_update", False),
         ("actor.old_logprobs=recompute", "old_logprobs_from_update", False),
-        ("algorithm.rollout_is=token", "old_logprobs_from_update", False),
+        ("algorithm.kl_reward_coef=0.1", "old_logprobs_from_update", False),
+        ("algorithm.rollout_is=token", "rollout_is", "token"),  # the update's forward weights its tokens
         ("actor.ppo_mini_batch_size=2", "num_mini_batches", 2),
         ("trainer.total_steps=3", "total_optimizer_steps", 3),
         ("checkpoint.save_dir=/elsewhere", "checkpoint_root", "/elsewhere"),
@@ -114,7 +115,10 @@ def test_async_settings_that_cannot_work_are_refused_at_load(overrides, message)
 def test_the_off_policy_loss_sets_the_proximal_pass_and_the_weights():
     p = plan(*ASYNC, "async.max_staleness=2")
     assert (p.mode, p.max_staleness, p.rollout_is, p.rollout_is_mode) == ("async", 2, "token", "mask")
-    assert not p.old_logprobs_from_update  # the proximal log-probs: a forward pass before the update
+    # One epoch over one mini-batch: the proximal log-probs are the update's own forward; with
+    # two mini-batches the second one's proximal policy is not the updated one: a pass before.
+    assert p.old_logprobs_from_update
+    assert not plan(*ASYNC, "data.train_batch_size=4", "actor.ppo_mini_batch_size=2").old_logprobs_from_update
     assert (
         plan("algorithm.off_policy_loss=tis", "algorithm.rollout_is=sequence").rollout_is_mode == "truncate"
     )

@@ -57,9 +57,9 @@ class DropBucket:
         if method == "load_bucket" and args[0].index == self.index:
             return EngineCall(_done({"checksum_s": 0.0, "load_s": 0.0}), lambda: "dropper", method)
         if method == "finish" and self.hide:
-            sync_id, manifest = args
+            sync_id, manifest, version = args
             manifest = {k: v for k, v in manifest.items() if k[1] != self.index}
-            return self.inner.call(method, sync_id, manifest)
+            return self.inner.call(method, sync_id, manifest, version)
         return self.inner.call(method, *args, **kwargs)
 
 

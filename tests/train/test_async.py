@@ -13,10 +13,12 @@
 """
 
 import json
+import subprocess
+import time
 
 import pytest
 
-from tests.conftest import sigterm_after_step_1
+from tests.conftest import REPO, sigterm_after_step_1
 from tests.train.test_deterministic_resume import (
     _assert_same_dump,
     _assert_same_step,
@@ -179,3 +181,31 @@ def test_eta_2_trains_two_versions_behind_at_most(tmp_path):
         # from k = 3 on the sync after update k - 2 interrupts it (then version k - 1).
         assert _versions(dumps[step]) == ({1} if step <= 2 else {step - 2, step - 1}), step
     assert max(r.get("async/staleness/max", 0) for r in rows) == 2
+
+
+def test_a_sync_that_cannot_complete_names_the_engine_and_exits(tmp_path):
+    # eta = 1: batch 2 generates while step 1 updates; the engine's thread is held forever in that
+    # rollout (debug.hold_at), so the sync after step 1 can never load its buckets there. The run
+    # must stop with an error naming the engine once sync.timeout_s has passed: never a hang.
+    run_dir = tmp_path / "stuck"
+    start = time.monotonic()
+    proc = subprocess.run(
+        _cmd(
+            run_dir,
+            *DECOUPLED,
+            "trainer.mode=async",
+            "async.max_staleness=1",
+            "debug.hold_at=rollout:2",
+            "sync.timeout_s=20",
+        ),
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "rollout engine 0 did not answer 'load_bucket' within 20 s" in proc.stderr, proc.stderr[-3000:]
+    held = (run_dir / "held_rollout_2").stat().st_mtime
+    assert time.time() - held < 20 + 90, "the run took far longer than the sync timeout to stop"
+    assert time.monotonic() - start < 400

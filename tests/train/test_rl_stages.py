@@ -32,3 +32,24 @@ def test_token_is_weights_are_capped_and_mismatch_counts_loss_tokens():
     m = mismatch(batch, mask_BT, algo)
     assert m["mismatch/num_tokens"] == 5.0 and math.isclose(m["mismatch/max_abs_diff"], 0.5, rel_tol=1e-6)
     assert math.isclose(m["mismatch/frac_abs_diff_gt_0.1"], 1 / 5, rel_tol=1e-6)
+
+
+def test_the_update_computes_the_same_is_weights_as_the_driver():
+    # On-policy steps take the old (proximal) log-probs from the update's own forward and compute
+    # the rollout IS weights inside the loss, micro-batch by micro-batch: the same weights as the
+    # driver's stage computes from a forward-only pass (here: the same old log-probs).
+    from megatron_agent.train.actor_update import PPOUpdate
+
+    batch = _batch()
+    mask_BT = batch.padded("loss_mask")
+    for level in ("token", "sequence"):
+        for mode, cap in (("truncate", 1.2), ("mask", 0.9)):
+            algo = load_config(None, [f"algorithm.rollout_is_cap={cap}"]).algorithm
+            want, _ = importance_weights(batch, mask_BT, algo, level, mode)
+            update = PPOUpdate(
+                None, algo, None, None, None, horizon=8, old_from_update=True, rollout_is=(level, mode)
+            )
+            extras = {"rollout_logp": batch.padded("rollout_logp"), "old_logp": batch.padded("old_logp")}
+            got = update.is_weights(extras, mask_BT.bool())
+            assert torch.equal(got, want), (level, mode)
+            assert bool((got != 1.0)[mask_BT.bool()].any()), (level, mode)  # the case is not trivial

@@ -55,8 +55,11 @@ def _session(tmp_path, overrides, steps):
 
 @pytest.mark.parametrize(
     "layout",
-    [["parallel.tp=2"], ["parallel.pp=2", "parallel.vpp=2", "actor.ppo_mini_batch_size=2"]],
-    ids=["tp2pp1", "tp1pp2vpp2-old-logprobs-from-update"],
+    [
+        ["parallel.tp=2"],
+        ["parallel.pp=2", "parallel.vpp=2", "actor.ppo_mini_batch_size=2", "algorithm.off_policy_loss=tis"],
+    ],
+    ids=["tp2pp1", "tp1pp2vpp2-old-logprobs-and-is-weights-from-update"],
 )
 def test_rl_step_on_model_parallel_layouts(tmp_path, layout):
     rows = _session(tmp_path, layout, ["grpo", "grpo"])
@@ -66,6 +69,9 @@ def test_rl_step_on_model_parallel_layouts(tmp_path, layout):
     assert all(("timing_s/old_log_prob" in r) == recomputed for r in rows)
     if not recomputed:  # old log-probs are the update's own: the ratio is exactly 1
         assert all(r["actor/ppo_kl"] == 0.0 and r["actor/pg_clipfrac"] == 0.0 for r in rows)
+        # The loss weighted the tokens by pi_old / pi_engine (on the last pipeline stage): the
+        # engine computes the trainer's log-probs, so the weights are 1 within fp32 noise.
+        assert all(abs(r["mismatch/is_weight_mean"] - 1.0) < 1e-3 for r in rows)
 
 
 def test_every_estimator_runs_a_step_with_two_data_parallel_ranks(tmp_path):

@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous RL on the quickstart with a long-tailed tool, measured side by side.
 
-    .venv/bin/python bench/async.py [--steps 12] [--etas 1 2] [--out docs/async_curves.png] [key=value ...]
+    .venv/bin/python bench/async.py [--steps 12] [--etas 1 2] [--rounds 1] [--out docs/async_curves.png] [key=value ...]
 
 One SFT warm start (the quickstart's, `sft` command) is shared by every run; then the quickstart's
 RL runs from it (`trainer.init_from`) three times in turn: `trainer.mode=sync` (the default loss,
@@ -16,7 +16,9 @@ median 20 ms). Per run, over its RL steps:
     steps to 0.9   first validated step with val/accuracy >= 0.9 (validation every 2 steps)
 
 The last line: `speedup_eta1=X speedup_eta2=Y steps_ratio_eta1=Z` (async tokens/s over sync's,
-and async's steps to 0.9 over sync's). `--out` draws the validation curves into one PNG.
+and async's steps to 0.9 over sync's; with `--rounds N`, the median over N rounds, each running
+every mode in turn: the tool's random latency makes one sync run's step time vary by tens of
+percent). `--out` draws the last round's validation curves into one PNG.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,6 +77,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--etas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--rounds", type=int, default=1, help="runs of every mode, in turn (ratios: median)")
     p.add_argument("--out", default="")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
@@ -87,24 +91,49 @@ def main() -> None:
         "checkpoint.save_freq=0",
         *args.overrides,
     ]
+    modes = {"sync": []} | {
+        f"eta{eta}": [
+            "trainer.mode=async",
+            f"async.max_staleness={eta}",
+            "algorithm.off_policy_loss=decoupled",
+        ]
+        for eta in args.etas
+    }
+    rounds: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         sft_dir = Path(tmp) / "sft"
         run([py, "-m", "megatron_agent", "sft", "--config", CONFIG, f"trainer.run_dir={sft_dir}", *common])
         init = [f"trainer.init_from={sft_dir / 'sft' / 'checkpoint'}", "sft.steps=0"]
-        modes = {"sync": []} | {
-            f"eta{eta}": [
-                "trainer.mode=async",
-                f"async.max_staleness={eta}",
-                "algorithm.off_policy_loss=decoupled",
-            ]
-            for eta in args.etas
-        }
-        results = {}
-        for name, extra in modes.items():
-            run_dir = Path(tmp) / name
-            base = [py, "-m", "megatron_agent", "train", "--config", CONFIG, f"trainer.run_dir={run_dir}"]
-            run(base + common + init + extra)
-            results[name] = figures(run_dir, "sync" if name == "sync" else "async")
+        for k in range(args.rounds):  # the modes in turn, so that a drift of the machine hits all
+            results = {}
+            for name, extra in modes.items():
+                run_dir = Path(tmp) / f"{name}_{k}"
+                base = [py, "-m", "megatron_agent", "train", "--config", CONFIG, f"trainer.run_dir={run_dir}"]
+                run(base + common + init + extra)
+                results[name] = figures(run_dir, "sync" if name == "sync" else "async")
+            rounds.append(results)
+            report(results, f"round {k + 1} of {args.rounds}")
+    if args.out:
+        draw(rounds[-1], args.out)
+
+    def ratio(name: str, key: str) -> str:
+        values = []
+        for results in rounds:
+            a, b = results.get(name, {}).get(key), results["sync"][key]
+            if a is None or b is None:
+                return "nan"
+            values.append(a / b if key == "tokens_per_s" else a / max(b, 1))
+        return f"{statistics.median(values):.2f}"
+
+    print(
+        f"speedup_eta1={ratio('eta1', 'tokens_per_s')} speedup_eta2={ratio('eta2', 'tokens_per_s')} "
+        f"steps_ratio_eta1={ratio('eta1', 'steps_to_0.9')}"
+    )
+
+
+def report(results: dict, title: str) -> None:
+    """One round's table, phases and validation curves."""
+    print(f"-- {title}")
     print(
         f"{'run':8s} {'tokens/s':>9s} {'step s':>7s} {'engine idle':>12s} {'trainer idle':>13s} {'steps to 0.9':>13s}"
     )
@@ -117,31 +146,27 @@ def main() -> None:
         print(f"mean s per step, {name}: " + " ".join(f"{k}={v:.2f}" for k, v in r["phases"].items()))
     for name, r in results.items():
         print(f"curve {name}: " + " ".join(f"{s}:{a:.2f}" for s, a in r["curve"]))
-    if args.out:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        for name, r in results.items():
-            ax.plot(*zip(*r["curve"]), marker="o", label=name)
-        ax.set(xlabel="RL step", ylabel="val/accuracy", title="quickstart, long-tailed calculator")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.out, dpi=100)
-    sync = results["sync"]
-
-    def ratio(name: str, key: str) -> str:
-        if name not in results or results[name][key] is None or sync[key] is None:
-            return "nan"
-        a, b = results[name][key], sync[key]
-        return f"{(a / b if key == 'tokens_per_s' else a / max(b, 1)):.2f}"
-
+    sync = results["sync"]["tokens_per_s"]
     print(
-        f"speedup_eta1={ratio('eta1', 'tokens_per_s')} speedup_eta2={ratio('eta2', 'tokens_per_s')} "
-        f"steps_ratio_eta1={ratio('eta1', 'steps_to_0.9')}"
+        "speedups: "
+        + " ".join(f"{n}={r['tokens_per_s'] / sync:.2f}" for n, r in results.items() if n != "sync")
     )
+
+
+def draw(results: dict, out: str) -> None:
+    """The validation curves of one round, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for name, r in results.items():
+        ax.plot(*zip(*r["curve"]), marker="o", label=name)
+    ax.set(xlabel="RL step", ylabel="val/accuracy", title="quickstart, long-tailed calculator")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
 
 
 if __name__ == "__main__":

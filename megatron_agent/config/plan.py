@@ -36,9 +36,6 @@ class RunPlan:
     """'sync' or 'async' (`trainer.mode`)."""
     max_staleness: int
     """The staleness bound eta of an async run (`async.max_staleness`); 0 in sync mode."""
-    rollout_concurrency: int
-    """Rollouts an engine runs at once: the batches admitted ahead of the trainer and a validation
-    rollout in an async run that is not deterministic (they share the continuous batch), else 1."""
     old_logprobs_from_update: bool
     """Old log-probs come from the update's own forward (else from a forward-only pass before it)."""
     num_mini_batches: int
@@ -115,14 +112,6 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.save_dir or Path(cfg.trainer.run_dir) / "checkpoints")
 
 
-def rollout_concurrency(cfg: Config) -> int:
-    """Rollouts an engine runs at once (`RunPlan.rollout_concurrency`): in a deterministic run one
-    at a time, so that every engine step sees the same batch."""
-    if cfg.trainer.mode != "async" or cfg.trainer.deterministic:
-        return 1
-    return cfg.async_.max_staleness + 2
-
-
 def make_plan(cfg: Config) -> RunPlan:
     """The plan of a validated config (no side effects: folders and models are made by the run)."""
     run_dir = Path(cfg.trainer.run_dir)
@@ -146,7 +135,6 @@ def make_plan(cfg: Config) -> RunPlan:
         rollout_is_mode=rollout_is_mode(cfg),
         mode=cfg.trainer.mode,
         max_staleness=cfg.async_.max_staleness if cfg.trainer.mode == "async" else 0,
-        rollout_concurrency=rollout_concurrency(cfg),
         old_logprobs_from_update=old_logprobs_from_update(cfg),
         num_mini_batches=num_mini_batches(cfg),
         total_optimizer_steps=cfg.trainer.total_steps * cfg.actor.ppo_epochs * num_mini_batches(cfg),

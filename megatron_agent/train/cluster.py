@@ -119,12 +119,10 @@ class WorkerGroup:
         init_args: Sequence[Any] = (),
         timeout_s: float = 600.0,
         env_vars: dict[str, str] | None = None,
-        concurrency_groups: dict[str, int] | None = None,
     ):
         """Create the actors; actor i gets `(rank=i, num_workers, log_path, *init_args)`.
 
-        With `placement_group`, actor i goes into bundle `bundle_offset + i`. `concurrency_groups`:
-        Ray's groups of methods that run beside the default one (the class marks its methods).
+        With `placement_group`, actor i goes into bundle `bundle_offset + i`.
         """
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -132,10 +130,7 @@ class WorkerGroup:
         self.name = name
         self.timeout_s = timeout_s
         self.log_paths = [Path(log_dir) / f"{name}_{rank}.log" for rank in range(num_workers)]
-        if concurrency_groups:  # fixed at class level: `.options()` refuses them
-            remote_cls = ray.remote(concurrency_groups=dict(concurrency_groups))(actor_cls)
-        else:
-            remote_cls = ray.remote(actor_cls)
+        remote_cls = ray.remote(actor_cls)
         self.workers = []
         self._start_args = (remote_cls, [], tuple(init_args))  # for `replace`
         for rank in range(num_workers):

@@ -5,12 +5,13 @@ share an interpreter. The driver calls `generate`; the Megatron ranks push weigh
 `sync_call`, which forwards to `sync.WeightReceiver` (buckets in shared memory on one host, CUDA
 IPC or NCCL on GPUs). Trajectories record the weight version that sampled each token.
 
-Threads. Ray runs the methods in three concurrency groups: `generate` in "rollout" (one call at a
-time; in an asynchronous run that is not deterministic, the batches admitted ahead of the
-trainer run at once and share the engine's continuous batch), the weight sync's calls in "sync"
-(one at a time, in order, also while rollouts run), the rest in the default group. None of them
-touches the engine itself: each hands its work to the `EngineThread`, the one thread on which
-the engine was built and is stepped, so a sync's calls always run between two engine steps.
+Threads. The actor runs one call at a time, in the order each caller made them (Ray's ordering
+for single-threaded actors, which the weight sync relies on). No call touches the engine itself:
+each hands its work to the `EngineThread`, the one thread on which the engine was built and is
+stepped, so a sync's calls always run between two engine steps. A rollout is started by
+`start_rollout`, which returns at once, and waited for by `collect` (`generate` does both): the
+sync's calls are answered while the engine generates. Rollouts started while others run share
+the engine's continuous batch, except in deterministic mode, where each waits for the one before.
 
 A sync while rollouts are in flight (`trainer.mode=async`): the sync's first call pauses the
 engine between two steps (`AsyncEngine.pause`); the buckets load; `finish` makes the running
@@ -28,19 +29,12 @@ import dataclasses
 import os
 import time
 
-import ray
-
 from megatron_agent.config import RunPlan, config_from_dict
 from megatron_agent.train.drills import DrillPlan, Drills
 
 
 class RolloutWorker:
     """One rollout engine with the agent loop."""
-
-    @staticmethod
-    def concurrency_groups(plan: RunPlan) -> dict[str, int]:
-        """Ray concurrency groups of the actor (`RunPlan.rollout_concurrency` rollouts at once)."""
-        return {"rollout": plan.rollout_concurrency, "sync": 1}
 
     def __init__(self, rank: int, num_engines: int, log_path: str, cfg_dict: dict, plan_dict: dict):
         from megatron_agent.rollout.async_engine import EngineThread
@@ -61,6 +55,9 @@ class RolloutWorker:
         self._pausing_step: int | None = None  # the RL step whose rollout pauses for a sync
         self._sync_point: tuple[int, bool] | None = None
         self._in_sync = False
+        self._rollouts: dict[int, object] = {}  # started, not yet collected (concurrent futures)
+        self._num_started = 0
+        self._previous = None  # the latest started rollout: the next waits for it when deterministic
 
     def _build(self, cfg, plan: RunPlan) -> None:
         """The engine, the tools and the agent loop (on the engine thread)."""
@@ -79,25 +76,42 @@ class RolloutWorker:
         return self.rank
 
     # ----------------------------------------------------------------------------- rollouts
-    @ray.method(concurrency_group="rollout")
-    def generate(
+    def generate(self, tasks: list, n: int, greedy: bool = False) -> list:
+        """`n` trajectories per task (task-major order); greedy for validation."""
+        return self.collect(self.start_rollout(tasks, n, greedy))
+
+    def start_rollout(
         self,
         tasks: list,
         n: int,
         greedy: bool = False,
         reseed: tuple | None = None,
         pause_after: int | None = None,
-    ) -> list:
-        """`n` trajectories per task (task-major order); greedy for validation. `reseed`: the
-        `reseed` arguments of this rollout (an async run's batch brings its own); `pause_after`:
-        engine steps after which the rollout pauses for a sync (deterministic async runs)."""
-        if reseed is not None:
-            self.reseed(*reseed)
-        step = self.step if reseed is None else reseed[1]
-        return self.thread.run(self._generate(tasks, n, greedy, step, pause_after))
+    ) -> int:
+        """Start `generate` on the engine thread and return its id at once (`collect` waits).
+        `reseed`: the `reseed` arguments this rollout applies when it starts (an async run's
+        batches bring their own); `pause_after`: engine steps after which it pauses for a weight
+        sync (deterministic async runs)."""
+        step = self.step if reseed is None else int(reseed[1])
+        previous = self._previous if self.cfg.trainer.deterministic else None
+        coroutine = self._generate(tasks, n, greedy, step, reseed, pause_after, previous)
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.thread.loop)
+        self._num_started += 1
+        self._rollouts[self._num_started] = self._previous = future
+        return self._num_started
 
-    async def _generate(self, tasks: list, n: int, greedy: bool, step: int, pause_after: int | None) -> list:
+    def collect(self, rollout_id: int) -> list:
+        """The trajectories of a started rollout (waits for them)."""
+        return self._rollouts.pop(rollout_id).result()
+
+    async def _generate(self, tasks, n, greedy, step, reseed, pause_after, previous) -> list:
+        if previous is not None:  # deterministic: one rollout after the other, in the order started
+            await asyncio.wait([asyncio.wrap_future(previous)])
         config = self.loop.config
+        if reseed is not None:
+            self._seed_rngs(reseed[0])
+            if config.seed is not None:  # deterministic mode: per-request seeds of this rollout
+                config = dataclasses.replace(config, seed=reseed[0])
         if greedy:
             config = dataclasses.replace(config, temperature=0.0, top_p=1.0, top_k=-1)
         if self.cfg.trainer.deterministic and hasattr(self.engine, "reset_prefix_cache"):
@@ -132,6 +146,11 @@ class RolloutWorker:
         """Seed this process's python/numpy/torch RNGs (vLLM samples from torch's) with seed + rank,
         before RL step `step`."""
         self.step = step
+        self._seed_rngs(seed)
+        if self.loop.config.seed is not None:  # deterministic mode: per-request seeds of this step
+            self.loop.config = dataclasses.replace(self.loop.config, seed=seed)
+
+    def _seed_rngs(self, seed: int) -> None:
         import random
 
         import numpy as np
@@ -140,8 +159,6 @@ class RolloutWorker:
         random.seed(seed + self.rank)
         np.random.seed((seed + self.rank) % 2**32)
         torch.manual_seed(seed + self.rank)
-        if self.loop.config.seed is not None:  # deterministic mode: per-request seeds of this step
-            self.loop.config = dataclasses.replace(self.loop.config, seed=seed)
 
     def tool_metrics(self) -> dict[str, float]:
         """`tool/unsandboxed` (since the last call) and `tool/sandboxed` of this engine's tools."""
@@ -154,18 +171,11 @@ class RolloutWorker:
         return self.engine.weight_version
 
     # ----------------------------------------------------------------------------- weights
-    @ray.method(concurrency_group="sync")
-    def set_weight_version(self, version: int) -> None:
-        """Continue the version count of a resumed run (the next sync makes it `version + 1`)."""
-        self.thread.call(setattr, self.engine, "weight_version", int(version))
-
-    @ray.method(concurrency_group="sync")
     def sync_point(self, step: int, may_pause: bool) -> None:
         """Where the next sync applies (deterministic async runs): once the rollout of RL step
-        `step` has ended here or, with `may_pause`, paused for it (`generate`'s `pause_after`)."""
+        `step` has ended here or, with `may_pause`, paused for it (`start_rollout`'s `pause_after`)."""
         self._sync_point = (int(step), bool(may_pause))
 
-    @ray.method(concurrency_group="sync")
     def sync_call(self, method: str, *args, **kwargs):
         """Entry point of the weight sync (see `megatron_agent.sync`), run between engine steps."""
         return self.thread.run(self._sync_call(method, *args, **kwargs))

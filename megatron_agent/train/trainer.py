@@ -182,7 +182,6 @@ class Trainer:
             init_args=(cfg_dict, plan_dict),
             timeout_s=timeout,
             env_vars=engine_env,
-            concurrency_groups=RolloutWorker.concurrency_groups(self.plan),
         )
         self.engines.call("ping")
         self.actors.call("connect_engines", self.engines.workers)
@@ -373,8 +372,16 @@ class PendingRollout:
             options = dict(self.options)
             if rank in self.trainer.replaced:  # a new engine takes syncs as they come: no pause
                 options.pop("pause_after", None)  # (it may run a newer batch first)
-            calls[rank] = engines.submit("generate", *args, ranks=[rank], **options)
+            calls[rank] = engines.submit("start_rollout", *args, ranks=[rank], **options)
         return calls
+
+    def _collect(self, rank: int, started) -> list:
+        """Rank's trajectories, collected from the engine that started them."""
+        rollout_id = started.result()[0]
+        engines = self.trainer.engines
+        if engines.workers[rank] is not self.handles[rank]:  # replaced since: its rollouts died with it
+            raise WorkerDiedError(f"rollout engine {rank} was replaced while it rolled out", rank)
+        return engines.call("collect", rollout_id, ranks=[rank])[0]
 
     def result(self) -> list:
         """The trajectories, task-major (waits for the engines)."""
@@ -383,9 +390,9 @@ class PendingRollout:
         with progress("rollout", total=len(self.tasks) * self.n, enabled=bars, unit="traj") as bar:
             while self.pending:
                 dead = []
-                for rank, call in self.calls.items():  # submitted together; collected one by one
+                for rank, call in self.calls.items():  # started together; collected one by one
                     try:
-                        results[rank] = call.result()[0]
+                        results[rank] = self._collect(rank, call)
                         bar.update(len(results[rank]))
                     except WorkerDiedError as exc:  # an exception raised inside it stays an error
                         dead.append(exc)

@@ -225,7 +225,7 @@ def test_the_effects_repeat_and_the_base_raises_nowhere(lab):
     (train,) = [call for call in run["calls"] if call[:2] == ["megatron", "train"]]
     batch = train[3][0]  # (group, method, ranks, args: batch, mini-batches, step)
     assert any(a != 0.0 for row in batch["tensors"]["advantages"] for a in row), "no advantage: rewards tie"
-    assert any(c[:2] == ["rollout", "generate"] for c in run["calls"]) and run["metrics"][1]["step"] == 1
+    assert any(c[:2] == ["rollout", "start_rollout"] for c in run["calls"]) and run["metrics"][1]["step"] == 1
 
 
 def test_a_field_that_changes_nothing_fails_by_name(lab, monkeypatch):

@@ -124,9 +124,6 @@ def test_the_off_policy_loss_sets_the_proximal_pass_and_the_weights():
     )
     assert plan("algorithm.off_policy_loss=tis", "algorithm.rollout_is=sequence").rollout_is == "sequence"
     assert plan("async.max_staleness=3").max_staleness == 0  # sync mode: no staleness
-    # Rollouts an engine runs at once: the batches ahead and a validation, unless deterministic.
-    assert plan(*ASYNC, "async.max_staleness=2").rollout_concurrency == 4
-    assert plan(*ASYNC, "trainer.deterministic=true").rollout_concurrency == 1 == plan().rollout_concurrency
     assert plan().rollout_is_mode == "truncate" and plan().mode == "sync"
 
 

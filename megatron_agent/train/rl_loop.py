@@ -14,11 +14,12 @@
 Where old log-probs come from is decided once, in the plan (`RunPlan.old_logprobs_from_update`):
 on-policy steps (one epoch, one mini-batch, no KL in the reward) take them from the update's own
 forward, and the loss computes the rollout IS weights from them (their metrics come after the
-update); otherwise the log-prob stage computes them and the IS weights come before the update. Only `rl_step` attaches
-the stages' products to the batch. `Trainer` (trainer.py) owns the workers; this file is the
-algorithm. In an async run (`trainer.mode=async`) the rollout stage takes the batch admitted for
-this step (`RolloutPipeline.rollouts`; train/async_rollouts.py), the step checks the staleness of its
-tokens, and the sync interrupts the engines' rollouts in flight (they continue under the new weights).
+update); otherwise the log-prob stage computes them and the IS weights come before the update.
+Only `rl_step` attaches the stages' products to the batch. `Trainer` (trainer.py) owns the
+workers; this file is the algorithm. In an async run (`trainer.mode=async`) the rollout stage
+takes the batch admitted for this step (`RolloutPipeline.rollouts`; train/async_rollouts.py), the
+step checks the staleness of its tokens, and the sync interrupts the engines' rollouts in flight
+(they continue under the new weights).
 """
 
 from __future__ import annotations

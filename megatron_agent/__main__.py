@@ -16,8 +16,9 @@ COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: python -m megatron_agent COMMAND [args...]", "", "commands:"]
+    lines = ["usage: python -m megatron_agent COMMAND [args...] [--debug]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "--debug: print the traceback of an expected error (bad input: exit 2; run failure: 1)"]
     return "\n".join(lines)
 
 
@@ -31,8 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from megatron_agent.errors import run_command
+
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return run_command(module.main, rest)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("envs",),
     # RL math (advantages, KL, losses); the config tree; device and parallel setup
     ("rl", "config", "platform"),
+    # the two kinds of expected error (bad input, run failure) and the commands' error handler
+    ("errors",),
 ]
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "megatron_agent"

@@ -12,11 +12,13 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from megatron_agent.errors import InputError
+
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 22
 
 
-class CheckpointIntegrityError(ValueError):
+class CheckpointIntegrityError(InputError):
     """A checkpoint file is missing, truncated or altered (or the manifest itself is absent)."""
 
 

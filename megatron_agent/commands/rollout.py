@@ -13,9 +13,10 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
+
+from megatron_agent.errors import InputError
 
 logger = logging.getLogger("megatron_agent.rollout")
 
@@ -45,7 +46,7 @@ def _tasks(cfg, run_dir: Path):
     if path:
         tasks, num_skipped = load_tasks(path)
         if not tasks:
-            raise ValueError(f"{path}: no valid task rows ({num_skipped} skipped)")
+            raise InputError(f"{path}: no valid task rows ({num_skipped} skipped, each named above)")
         return tasks, num_skipped, tools, index_dir
     if cfg.data.synthetic == "arithmetic":
         return (
@@ -85,36 +86,28 @@ def main(argv: list[str]) -> int:
     """Run the rollout command; returns the exit status."""
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from megatron_agent.config import ConfigError, load_config
+    from megatron_agent.config import load_config
 
     flags = {"model.path": args.model, "data.val_path": args.data, "trainer.run_dir": args.run_dir}
     overrides = [*args.overrides, *(f"{key}={value}" for key, value in flags.items() if value)]
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, overrides)
     run_dir = Path(cfg.trainer.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TMPDIR", str(run_dir))
+    tasks, num_skipped, tool_names, index_dir = _tasks(cfg, run_dir)  # refused before the run folder is made
 
     from megatron_agent.rollout import build_training_batch, rollout_metrics, write_rollout_dump
     from megatron_agent.rollout.factory import build_agent_loop, build_engine, build_toolset
 
-    try:
-        tasks, num_skipped, tool_names, index_dir = _tasks(cfg, run_dir)
-        model_path = cfg.model.path
-        if not model_path:
-            from megatron_agent.models.tiny import make_tiny_model
+    run_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TMPDIR", str(run_dir))
+    model_path = cfg.model.path
+    if not model_path:
+        from megatron_agent.models.tiny import make_tiny_model
 
-            model_path = str(make_tiny_model(run_dir / "tiny_model", cfg.model.tiny_family))
-            logger.info(
-                "model.path is empty: using a tiny random %s model in %s", cfg.model.tiny_family, model_path
-            )
-        tools = build_toolset(cfg, tool_names, index_dir)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        model_path = str(make_tiny_model(run_dir / "tiny_model", cfg.model.tiny_family))
+        logger.info(
+            "model.path is empty: using a tiny random %s model in %s", cfg.model.tiny_family, model_path
+        )
+    tools = build_toolset(cfg, tool_names, index_dir)
     missing = sorted({t for task in tasks for t in task.tools} - set(tools.tools))
     if missing:
         logger.warning("tasks name tools that are not enabled (tools.enabled): %s", ", ".join(missing))

@@ -5,19 +5,25 @@
 
 More than one rank: `torchrun --nproc_per_node TP*PP*DP -m megatron_agent score ...`. Each
 input line has `input_ids` (a list of ints); each output line, in the same order, has `logprobs`,
-len(input_ids) - 1 floats: log p(input_ids[i+1] | input_ids[:i+1]). Every line is checked before
-any compute; a bad line is an error naming its line number.
+len(input_ids) - 1 floats: log p(input_ids[i+1] | input_ids[:i+1]). Every input (the flags, the
+model folder, the layout, every data line, the output folder) is checked before anything starts;
+a mistake is one `error:` line naming it (exit status 2).
+
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+import os
+import shlex
 from pathlib import Path
 
+from megatron_agent.errors import InputError, check_positive
+from megatron_agent.models.hf_config import check_parallel_fit, model_arch
 
-class ScoreInputError(ValueError):
+
+class ScoreInputError(InputError):
     """A line of the score input is malformed."""
 
 
@@ -35,11 +41,49 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_world_size(tp: int, pp: int, argv: list[str]) -> None:
+    """Raise `InputError` (saying how to launch) when tp*pp does not divide torchrun's WORLD_SIZE
+    (1 without torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model_parallel = tp * pp
+    if world % model_parallel == 0:
+        return
+    launched = "one process (no torchrun)" if world == 1 else f"{world} torchrun processes"
+    again = shlex.join(
+        ["torchrun", "--nproc_per_node", str(model_parallel), "-m", "megatron_agent", "score", *argv]
+    )
+    raise InputError(
+        f"--tp {tp} --pp {pp} need a multiple of tp*pp={model_parallel} processes, but this is {launched}. "
+        f"Run: {again}"
+    )
+
+
+def check_output(path: str | Path) -> None:
+    """Raise `InputError` when --out cannot be written: a folder, or its parent folder missing."""
+    out = Path(path)
+    if out.is_dir():
+        raise InputError(f"--out {path}: is a folder: give the path of the output jsonl file")
+    if not out.parent.is_dir():
+        raise InputError(f"--out {path}: the folder {out.parent} does not exist: create it first")
+
+
 def read_inputs(path: str | Path, *, vocab_size: int, max_length: int) -> list[list[int]]:
-    """Read and check every line; raise `ScoreInputError` naming the first bad line."""
+    """Read and check every line; raise `ScoreInputError` naming the file and the first bad line
+    (or the file, when it is missing, unreadable or holds no rows)."""
+    if not Path(path).exists():
+        raise ScoreInputError(f"--data {path}: no such file")
+    if Path(path).is_dir():
+        raise ScoreInputError(f"--data {path}: is a folder, not a jsonl file")
     sequences = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ScoreInputError(
+                    f"{path} line {line_no}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}): "
+                    "save the file as UTF-8"
+                ) from None
             if not line.strip():
                 raise ScoreInputError(f"{path} line {line_no}: empty line")
             try:
@@ -65,22 +109,25 @@ def read_inputs(path: str | Path, *, vocab_size: int, max_length: int) -> list[l
                     f"{path} line {line_no}: {len(ids)} tokens exceed the model's max_position_embeddings={max_length}"
                 )
             sequences.append(ids)
+    if not sequences:
+        raise ScoreInputError(
+            f"--data {path}: no rows (the file is empty): write one JSON line with `input_ids` per sequence"
+        )
     return sequences
 
 
 def main(argv: list[str]) -> int:
     """Run `score`; returns the exit status."""
     args = parse_args(argv)
-    from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
-
-    arch = arch_from_hf_config(load_hf_config(args.model))
-    try:
-        sequences = read_inputs(
-            args.data, vocab_size=arch.vocab_size, max_length=arch.max_position_embeddings
-        )
-    except (ScoreInputError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # Every input is checked here, before torch.distributed, the model or any file is touched.
+    check_positive(
+        {"--tp": args.tp, "--pp": args.pp, "--max-tokens": args.max_tokens, "--batch-size": args.batch_size}
+    )
+    arch = model_arch(args.model, "--model")
+    check_parallel_fit(arch, args.tp, args.pp)
+    check_world_size(args.tp, args.pp, argv)
+    sequences = read_inputs(args.data, vocab_size=arch.vocab_size, max_length=arch.max_position_embeddings)
+    check_output(args.out)
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps

@@ -8,19 +8,15 @@ that `train` starts from with `trainer.init_from=PATH`.
 
 from __future__ import annotations
 
-import sys
-
 from megatron_agent.commands.train import load
+from megatron_agent.config import ConfigError
 
 
 def main(argv: list[str]) -> int:
     """Run the sft command; returns the exit status."""
     from megatron_agent.train.run import Run
 
-    cfg, status = load("python -m megatron_agent sft", argv, __doc__)
-    if cfg is None:
-        return status
+    cfg = load("python -m megatron_agent sft", argv, __doc__)
     if cfg.sft.steps < 1:
-        print("error: sft.steps must be >= 1 for the sft command (e.g. sft.steps=200)", file=sys.stderr)
-        return 2
+        raise ConfigError("sft.steps must be >= 1 for the sft command (e.g. sft.steps=200)")
     return Run(cfg).sft()

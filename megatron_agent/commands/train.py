@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 
 def parse_args(prog: str, argv: list[str], doc: str) -> argparse.Namespace:
@@ -23,23 +22,18 @@ def parse_args(prog: str, argv: list[str], doc: str) -> argparse.Namespace:
 
 
 def load(prog: str, argv: list[str], doc: str):
-    """(config, None) or (None, exit status 2) after printing the error."""
-    from megatron_agent.config import ConfigError, load_config
+    """The loaded config (a bad one raises `ConfigError`, which `run_command` reports: exit 2)."""
+    from megatron_agent.config import load_config
 
     args = parse_args(prog, argv, doc)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for name in ("ray", "vllm", "transformers", "urllib3", "filelock"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        return load_config(args.config, args.overrides), None
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return None, 2
+    return load_config(args.config, args.overrides)
 
 
 def main(argv: list[str]) -> int:
     """Run the train command; returns the exit status."""
     from megatron_agent.train.run import Run
 
-    cfg, status = load("python -m megatron_agent train", argv, __doc__)
-    return status if cfg is None else Run(cfg).train()
+    return Run(load("python -m megatron_agent train", argv, __doc__)).train()

@@ -1,9 +1,10 @@
 """Loading a config: defaults, then a YAML file, then dotted `key=value` overrides.
 
-`load_config(path, overrides)` checks every value's type and choice as it is set, rejects
-unknown keys with the nearest valid spelling, then runs the one validation pass
-(`validate_config`) holding every check that needs no worker. Workers rebuild the same tree
-from its dict (`config_from_dict`).
+`load_config(path, overrides)` checks every value's type, choice and range (`constraints.py`),
+rejects unknown keys with the nearest valid spelling and a YAML key given twice, and reports
+every such error at once; then it runs the one validation pass (`validate_config`) holding every
+check between fields and every check that needs no worker. Workers rebuild the same tree from
+its dict (`config_from_dict`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from megatron_agent.config.constraints import field_violations
 from megatron_agent.config.schema import Config, ConfigError
 from megatron_agent.config.validate import validate_config
 
@@ -111,53 +113,112 @@ def _coerce(value: Any, typ, key: str) -> Any:
     return value
 
 
-def _apply_mapping(obj, mapping: dict, prefix: str = "") -> None:
+def _apply_mapping(obj, mapping: dict, prefix: str = "", errors: list[str] | None = None) -> None:
+    """Set `obj`'s fields from `mapping`; each bad key or value is appended to `errors` (raised
+    at once when `errors` is None)."""
     cls = type(obj)
     names = _field_names(cls)
     for key, value in mapping.items():
-        key = FIELD_OF_KEY.get(key, key)
-        if key not in names:
-            raise _unknown_key_error(key, value, prefix)
-        f = next(f for f in dataclasses.fields(cls) if f.name == key)
-        typ = _resolve_type(cls, f)
-        if dataclasses.is_dataclass(typ):
-            if not isinstance(value, dict):
-                raise ConfigError(f"config section '{prefix}{key}' expects a mapping, got {value!r}")
-            _apply_mapping(getattr(obj, key), value, f"{prefix}{KEY_OF_FIELD.get(key, key)}.")
-        else:
-            setattr(obj, key, _coerce(value, typ, f"{prefix}{key}"))
+        try:
+            key = FIELD_OF_KEY.get(key, key)
+            if key not in names:
+                raise _unknown_key_error(key, value, prefix)
+            f = next(f for f in dataclasses.fields(cls) if f.name == key)
+            typ = _resolve_type(cls, f)
+            if dataclasses.is_dataclass(typ):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"config section '{prefix}{key}' expects a mapping, got {value!r}")
+                _apply_mapping(getattr(obj, key), value, f"{prefix}{KEY_OF_FIELD.get(key, key)}.", errors)
+            else:
+                setattr(obj, key, _coerce(value, typ, f"{prefix}{key}"))
+        except ConfigError as exc:
+            if errors is None:
+                raise
+            errors.append(str(exc))
 
 
-def apply_override(cfg: Config, override: str) -> None:
-    """Apply one `dotted.key=value` override to `cfg` in place."""
+def apply_override(cfg: Config, override: str, errors: list[str] | None = None) -> None:
+    """Apply one `dotted.key=value` override to `cfg` in place (errors as in `_apply_mapping`)."""
     if "=" not in override:
-        raise ConfigError(f"override {override!r} is not of the form key=value (e.g. parallel.tp=2)")
+        problem = f"override {override!r} is not of the form key=value (e.g. parallel.tp=2)"
+        if errors is None:
+            raise ConfigError(problem)
+        errors.append(problem)
+        return
     key, value = override.split("=", 1)
     parts = key.strip().split(".")
     nested: dict = {parts[-1]: value}
     for part in reversed(parts[:-1]):
         nested = {part: nested}
-    _apply_mapping(cfg, nested)
+    _apply_mapping(cfg, nested, errors=errors)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The mapping of a YAML config file; a missing file, a folder, bad YAML, a top level that is
+    not a mapping or a key given twice in one mapping is a `ConfigError` naming the file (and lines)."""
+    import yaml
+
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--config {path} is a folder; give a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 (a SafeLoader subclass)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path} is not valid YAML{at}: {problem}") from None
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _unique_key_loader():
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        """A SafeLoader that refuses a key given twice in one mapping (YAML would keep the last)."""
+
+        def construct_mapping(self, node, deep=False):
+            first_line: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, (list, dict)):
+                    continue  # not a valid key at all: SafeLoader says so
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    raise ConfigError(
+                        f"key '{key}' is given twice (lines {first_line[key]} and {line}); keep one"
+                    )
+                first_line[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *, validate: bool = True
 ) -> Config:
     """Build a `Config` from defaults, an optional YAML file, then `key=value` overrides, and
-    validate it (`validate=False`: types and choices only, for commands that read a few sections)."""
-    import yaml
-
-    cfg = Config()
+    validate it (`validate=False`: types, choices and ranges only, for commands that read a few
+    sections). Every unknown key, bad type, choice or range is reported in one `ConfigError`."""
+    cfg, errors = Config(), []
     if path:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"
-            )
-        _apply_mapping(cfg, data)
+        _apply_mapping(cfg, read_yaml(path), errors=errors)
     for override in overrides:
-        apply_override(cfg, override)
+        apply_override(cfg, override, errors)
+    errors += field_violations(cfg, key_of_field=KEY_OF_FIELD)
+    if errors:
+        raise ConfigError.of(errors)
     if validate:
         validate_config(cfg)
     return cfg

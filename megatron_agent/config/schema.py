@@ -1,14 +1,28 @@
 """The schema of a run's configuration: one small dataclass per section.
 
 Every field has a docstring under it saying what it does and where it is read; choices are
-`Literal` types, checked when the config is loaded (`config/load.py`). Checks that involve several
+`Literal` types and number ranges are in the type (`PositiveInt`, `Annotated[float, Range(...)]`,
+`config/constraints.py`), all checked when the config is loaded (`config/load.py`). Checks that involve several
 fields are in `config/validate.py`; what the run derives from the config is in `config/plan.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+from megatron_agent.config.constraints import (
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+)
+from megatron_agent.errors import InputError
+
+BUILTIN_TOOLS = ("calculator", "search", "python")
+"""The tools `tools.enabled` names without a dotted path (envs/tools/)."""
 
 KILL_PHASES = ("rollout", "update", "save")
 """Where `debug.hold_at` can hold a run (train/kill_points.py)."""
@@ -35,7 +49,7 @@ class ModelConfig:
     """Activation recomputation in training: 'none', 'selective' (core attention) or 'full' (every layer)."""
     ref_offload: bool = False
     """Keep the frozen reference model's weights on the CPU between uses (GPU memory saving)."""
-    logprob_chunk_tokens: int = 1024
+    logprob_chunk_tokens: PositiveInt = 1024
     """Tokens per chunk of the vocab-parallel log-prob/entropy computation (bounds memory)."""
 
 
@@ -43,13 +57,13 @@ class ModelConfig:
 class ParallelConfig:
     """Megatron model parallelism: the trainer's world is tp * pp * dp ranks."""
 
-    tp: int = 1
+    tp: PositiveInt = 1
     """Tensor-parallel size."""
-    dp: int = 1
+    dp: PositiveInt = 1
     """Data-parallel size of the trainer (Megatron workers = tp * pp * dp)."""
-    pp: int = 1
+    pp: PositiveInt = 1
     """Pipeline-parallel size."""
-    vpp: int = 1
+    vpp: PositiveInt = 1
     """Virtual pipeline stages per pipeline rank (interleaved 1F1B); 1 means off."""
 
 
@@ -59,42 +73,42 @@ class RolloutConfig:
 
     engine: Literal["vllm", "hf"] = "vllm"
     """Rollout engine: 'vllm' (default) or 'hf' (transformers generate; a debugging aid only)."""
-    n: int = 4
+    n: PositiveInt = 4
     """Trajectories sampled per prompt (the GRPO group size)."""
-    num_engines: int = 1
+    num_engines: PositiveInt = 1
     """Rollout engine actors; each step's prompts are split across them."""
-    max_engine_restarts: int = 3
+    max_engine_restarts: NonNegativeInt = 3
     """Engine processes that may die per run: each is replaced, synced and its prompts rolled out
     again (`rollout/engine_restarts`); one more death stops the run (docs/faults.md)."""
     colocate: bool = True
     """GPU: engines share the trainer's GPUs (the engine sleeps during the update); else separate GPUs."""
-    temperature: float = 1.0
+    temperature: NonNegativeFloat = 1.0
     """Sampling temperature."""
-    top_p: float = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Nucleus sampling threshold."""
-    top_k: int = -1
+    top_k: Annotated[int, Range(ge=-1)] = -1
     """Top-k sampling (-1: off)."""
-    max_new_tokens: int = 64
+    max_new_tokens: PositiveInt = 64
     """Tokens generated per assistant turn at most."""
-    max_turns: int = 4
+    max_turns: PositiveInt = 4
     """Assistant turns per trajectory at most."""
-    max_total_tokens: int = 512
+    max_total_tokens: PositiveInt = 512
     """Prompt plus response tokens per trajectory at most."""
-    tp: int = 1
+    tp: PositiveInt = 1
     """vLLM tensor-parallel size (GPU)."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.5
     """vLLM's share of GPU memory (GPU)."""
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    kv_cache_memory_bytes: PositiveInt = 256 * 1024 * 1024
     """vLLM KV-cache size on CPU."""
     enable_sleep_mode: bool = False
     """GPU: start vLLM with sleep mode, so that `sleep()` frees its memory while the trainer runs."""
-    max_trajectory_seconds: float = 0.0
+    max_trajectory_seconds: NonNegativeFloat = 0.0
     """Wall-clock budget of one trajectory in seconds (0: none); past it the trajectory ends ('timeout')."""
     stop_at_tool_call: bool = True
     """End an assistant turn at the first `</tool_call>` (else at EOS only, allowing several calls per turn)."""
-    max_in_flight: int = 256
+    max_in_flight: PositiveInt = 256
     """Trajectories generating or running tools at the same time."""
-    seed: int = 0
+    seed: NonNegativeInt = 0
     """Seed of the rollout engine's sampler."""
     quantization: Literal["", "fp8"] = ""
     """'' (serve the actor's dtype) or 'fp8': vLLM serves FP8 weights quantized from the BF16 actor
@@ -115,42 +129,48 @@ class AlgorithmConfig:
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: Annotated[
+        float, Range(ge=0, lt=1, why="the ratio must stay above 1 - clip_ratio_low > 0")
+    ] = 0.2
     """PPO lower clip (ratio >= 1 - clip_ratio_low)."""
-    clip_ratio_high: float = 0.2
+    clip_ratio_high: NonNegativeFloat = 0.2
     """PPO upper clip (ratio <= 1 + clip_ratio_high)."""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: Annotated[float, Range(gt=1, why="the dual clip bounds the ratio from above at c > 1")] = (
+        3.0
+    )
     """Dual-clip bound applied where the advantage is negative."""
-    kl_loss_coef: float = 0.0
+    kl_loss_coef: NonNegativeFloat = 0.0
     """Weight of the KL loss term (0 disables it)."""
     kl_loss_estimator: KLEstimator = "k3+"
     """KL estimator for the loss term: k1, abs, k2, k3, k1+, k3+ (k3's value with k2's gradient)."""
-    kl_reward_coef: float = 0.0
+    kl_reward_coef: NonNegativeFloat = 0.0
     """Weight of the per-token k1 KL subtracted from rewards (REINFORCE++ style)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     policy_loss_mode: Literal["vanilla", "gspo"] = "vanilla"
     """Policy loss: 'vanilla' (PPO clip with dual clip) or 'gspo' (sequence-level ratio)."""
-    log_ratio_clamp: float = 20.0
+    log_ratio_clamp: PositiveFloat = 20.0
     """The policy log-ratio is clamped to [-x, x] before the exp (masked positions removed first)."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (False gives Dr.GRPO)."""
-    gamma: float = 1.0
+    gamma: Fraction = 1.0
     """Discount of reinforce_plus_plus."""
-    loss_agg_horizon: int = 0
+    loss_agg_horizon: NonNegativeInt = 0
     """Constant horizon of seq-mean-token-sum-norm (Dr.GRPO); 0 means the maximum response length."""
     kl_reward_estimator: KLEstimator = "k1"
     """KL estimator for the KL-in-reward term (REINFORCE++ uses k1)."""
     kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
     """KL coefficient controller for the KL-in-reward coefficient: 'fixed' or 'adaptive'."""
-    kl_target: float = 0.1
+    kl_target: PositiveFloat = 0.1
     """Adaptive KL controller: target mean per-token KL."""
-    kl_horizon: int = 10000
+    kl_horizon: PositiveInt = 10000
     """Adaptive KL controller: horizon (in samples) of the proportional update."""
     rollout_is: Literal["auto", "none", "token", "sequence"] = "auto"
     """Rollout-vs-trainer importance weights in the policy loss: 'none', 'token' or 'sequence';
     'auto': 'token' with an FP8 rollout (rollout.quantization=fp8), else 'none' (`RunPlan.rollout_is`)."""
-    rollout_is_cap: float = 2.0
+    rollout_is_cap: Annotated[
+        float, Range(ge=1, why="a cap below 1 would cut on-policy tokens, whose weight is 1")
+    ] = 2.0
     """Cap of the rollout importance weights."""
     rollout_is_mode: Literal["truncate", "mask"] = "truncate"
     """Weights above the cap: 'truncate' (cap them) or 'mask' (drop the token or sequence)."""
@@ -159,31 +179,31 @@ class AlgorithmConfig:
     from the trainer before the update (the PPO clip is on pi/pi_prox) and the behaviour weight
     pi_prox/pi_engine at `rollout_is`'s level ('auto': token), 'decoupled' dropping weights above
     `rollout_is_cap` (AReaL), 'tis' capping them (truncated IS). '': none (then `rollout_is_mode`)."""
-    mismatch_thresholds: list[float] = field(default_factory=lambda: [0.1, 1.0])
+    mismatch_thresholds: list[PositiveFloat] = field(default_factory=lambda: [0.1, 1.0])
     """|old - rollout| log-prob thresholds reported as mismatch/frac_abs_diff_gt_{t}."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards all tie and generate more until the batch is full."""
-    max_num_gen_batches: int = 4
+    max_num_gen_batches: PositiveInt = 4
     """Dynamic sampling: generation rounds per step at most (then train on what was kept)."""
-    overlong_buffer_len: int = 0
+    overlong_buffer_len: NonNegativeInt = 0
     """Overlong penalty: responses within this many tokens of the limit lose reward linearly (0: off)."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: NonNegativeFloat = 1.0
     """Overlong penalty at the limit itself (reward minus this factor)."""
     guard_enabled: bool = True
     """Check loss, gradients and per-token log-ratios before each optimizer step; skip on a breach."""
-    guard_max_abs_log_ratio: float | None = 20.0
+    guard_max_abs_log_ratio: PositiveFloat | None = 20.0
     """Guard: largest |logprob - old_logprob| allowed on a loss token (None: off)."""
-    guard_max_ratio: float | None = None
+    guard_max_ratio: Annotated[float, Range(gt=1, why="an on-policy token has ratio 1")] | None = None
     """Guard: largest exp(logprob - old_logprob) allowed on a loss token (None: off)."""
-    guard_max_rollout_abs_log_ratio: float | None = 20.0
+    guard_max_rollout_abs_log_ratio: PositiveFloat | None = 20.0
     """Guard: largest |old_logprob - rollout_logprob| allowed on a loss token (None: off)."""
-    guard_max_abs_kl: float | None = None
+    guard_max_abs_kl: PositiveFloat | None = None
     """Guard: largest |logprob - ref_logprob| allowed on a loss token (None: off)."""
-    guard_max_grad_norm: float | None = None
+    guard_max_grad_norm: PositiveFloat | None = None
     """Guard: largest total gradient norm before clipping (None: off; non-finite always breaches)."""
-    guard_top_k: int = 5
+    guard_top_k: PositiveInt = 5
     """Guard: tokens listed per ranking in the culprit report."""
-    guard_max_consecutive_skips: int = 3
+    guard_max_consecutive_skips: NonNegativeInt = 3
     """Guard: steps in a row that may be skipped; one more breach stops the run with GuardError."""
 
 
@@ -191,29 +211,29 @@ class AlgorithmConfig:
 class ActorConfig:
     """The actor's optimisation: PPO epochs, mini- and micro-batches, optimizer, schedule."""
 
-    ppo_mini_batch_size: int = 0
+    ppo_mini_batch_size: NonNegativeInt = 0
     """Prompts per optimizer step (each with its rollout.n samples); 0 means data.train_batch_size."""
-    ppo_epochs: int = 1
+    ppo_epochs: PositiveInt = 1
     """Passes over each step's rollouts."""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: PositiveInt = 4096
     """Token budget per micro-batch (sequences are packed up to it)."""
     old_logprobs: Literal["auto", "recompute"] = "auto"
     """Where the old (proximal) log-probs come from: 'recompute' (a forward-only pass of the actor
     before the update) or 'auto' (from the update's own forward when the step is on-policy: one
     PPO epoch, one mini-batch and no KL in the reward, so that old == current and the ratio is
     exactly 1; rollout IS weights are then computed in the loss; otherwise recomputed)."""
-    lr: float = 1e-5
+    lr: NonNegativeFloat = 1e-5
     """Peak learning rate."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: NonNegativeInt = 0
     """Optimizer steps of linear warmup from 0 to `lr`."""
     lr_decay: Literal["constant", "linear", "cosine"] = "constant"
     """After warmup: 'constant', 'linear' or 'cosine' decay to `min_lr` at the last optimizer step."""
-    min_lr: float = 0.0
+    min_lr: NonNegativeFloat = 0.0
     """Learning rate at the end of the decay."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip."""
+    grad_clip: NonNegativeFloat = 1.0
+    """Global gradient-norm clip (0: off)."""
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer (optimizer state sharded over data-parallel ranks)."""
 
@@ -226,23 +246,23 @@ class DataConfig:
     """Parquet or jsonl task file; empty means synthetic tasks generated on the fly."""
     val_path: str = ""
     """Held-out task file for validation; empty means synthetic tasks with another seed."""
-    train_batch_size: int = 4
+    train_batch_size: PositiveInt = 4
     """Prompts per RL step (each sampled rollout.n times)."""
-    val_batch_size: int = 0
+    val_batch_size: NonNegativeInt = 0
     """Validation tasks used per validation (0: all of the validation set)."""
     shuffle: bool = True
     """Shuffle the training tasks every epoch."""
-    seed: int = 1234
+    seed: NonNegativeInt = 1234
     """Shuffling seed."""
-    max_prompt_length: int = 1024
+    max_prompt_length: PositiveInt = 1024
     """Prompt tokens at most; longer prompts are skipped and counted (data/skipped_rows)."""
     synthetic: Literal["arithmetic", "multihop"] = "arithmetic"
     """Synthetic tasks used when the task path is empty: arithmetic (calculator) or multihop (search)."""
-    num_synthetic_tasks: int = 16
+    num_synthetic_tasks: PositiveInt = 16
     """How many synthetic tasks to generate."""
-    arithmetic_max_depth: int = 2
+    arithmetic_max_depth: PositiveInt = 2
     """Nesting depth of synthetic arithmetic questions (1: `a op b`)."""
-    num_synthetic_val_tasks: int = 32
+    num_synthetic_val_tasks: PositiveInt = 32
     """How many synthetic validation tasks to generate (when val_path is empty)."""
 
 
@@ -252,9 +272,9 @@ class PythonToolConfig:
 
     sandbox: Literal["strict", "auto", "off"] = "auto"
     """'strict' (bubblewrap required), 'auto' (bubblewrap if present, else limits only, with a warning), 'off'."""
-    memory_mb: int = 512
+    memory_mb: Annotated[int, Range(ge=16, why="the interpreter itself needs about 10 MiB")] = 512
     """Address-space limit of one run, in MiB."""
-    max_processes: int = 16
+    max_processes: PositiveInt = 16
     """Processes (and threads) one run may have at once."""
 
 
@@ -264,15 +284,15 @@ class ToolsConfig:
 
     enabled: list[str] = field(default_factory=lambda: ["calculator"])
     """Tool names (built-ins) or dotted paths of user tools."""
-    timeout_s: float = 10.0
+    timeout_s: PositiveFloat = 10.0
     """Per-call timeout in seconds."""
-    max_tool_response_tokens: int = 256
+    max_tool_response_tokens: PositiveInt = 256
     """Tool output longer than this is truncated."""
     truncate_side: Literal["left", "middle", "right"] = "middle"
     """Part of a too-long tool output that is dropped: left, middle or right."""
     search_index_dir: str = ""
     """Folder of the prebuilt BM25 index of the `search` tool (see envs/tools/search.py)."""
-    search_top_k: int = 3
+    search_top_k: PositiveInt = 3
     """Passages returned by one `search` call."""
     python: PythonToolConfig = field(default_factory=PythonToolConfig)
     """The python tool."""
@@ -282,23 +302,23 @@ class ToolsConfig:
 class SFTConfig:
     """Supervised warm start on chat data (`sft` command, or before RL in `train` when steps > 0)."""
 
-    steps: int = 0
+    steps: NonNegativeInt = 0
     """Optimizer steps of SFT (0: none)."""
     data_path: str = ""
     """jsonl or parquet of {"messages": [...], "tools": [...]}; empty means synthetic calculator demos."""
-    num_synthetic: int = 2000
+    num_synthetic: PositiveInt = 2000
     """Synthetic demonstrations generated when data_path is empty."""
-    tool_use_rate: float = 0.3
+    tool_use_rate: Fraction = 0.3
     """Share of synthetic demonstrations that call the calculator (the rest answer with a guess)."""
-    batch_size: int = 32
+    batch_size: PositiveInt = 32
     """Conversations per SFT step."""
-    lr: float = 2e-3
+    lr: NonNegativeFloat = 2e-3
     """SFT peak learning rate (linear warmup, then cosine decay to min_lr_ratio * lr)."""
-    warmup_steps: int = 20
+    warmup_steps: NonNegativeInt = 20
     """Linear warmup steps of the SFT learning rate."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Fraction = 0.1
     """SFT learning rate at the last step, as a share of `lr`."""
-    seed: int = 7
+    seed: NonNegativeInt = 7
     """Seed of the synthetic demonstrations and their order."""
 
 
@@ -306,17 +326,17 @@ class SFTConfig:
 class SyncConfig:
     """Megatron -> rollout engine weight sync after every update."""
 
-    bucket_mb: int = 256
+    bucket_mb: PositiveInt = 256
     """Size of one flat transfer buffer in MiB (a larger tensor travels alone)."""
     verify: bool = True
     """Check a checksum per bucket and probe log-probs (engine vs actor) after every sync."""
-    probe_tol_fp32: float = 1e-4
+    probe_tol_fp32: PositiveFloat = 1e-4
     """Largest |engine - actor| probe log-prob allowed in fp32."""
-    probe_tol_bf16: float = 0.1
+    probe_tol_bf16: PositiveFloat = 0.1
     """Largest |engine - actor| probe log-prob allowed in bf16."""
-    probe_tol_fp8: float = 0.5
+    probe_tol_fp8: PositiveFloat = 0.5
     """Largest |engine - actor| probe log-prob allowed for an FP8 engine (rollout.quantization=fp8)."""
-    timeout_s: float = 300.0
+    timeout_s: PositiveFloat = 300.0
     """An engine that does not answer a sync call within this many seconds is an error."""
     transport: Literal["auto", "direct", "shm", "cuda_ipc", "nccl"] = "auto"
     """'auto' (from where the engine lives), 'direct', 'shm', 'cuda_ipc' or 'nccl'."""
@@ -326,11 +346,11 @@ class SyncConfig:
 class TrainerConfig:
     """The run: steps, validation, run folder, resume, seeds."""
 
-    total_steps: int = 10
+    total_steps: NonNegativeInt = 10
     """RL steps to run."""
     run_dir: str = "runs/default"
     """Run folder: metrics.jsonl, rollout dumps, guard reports, checkpoints, plot."""
-    test_freq: int = 0
+    test_freq: NonNegativeInt = 0
     """Validate every N steps (and before the first step); 0: only before the first and after the last."""
     dump_rollouts: bool = True
     """Write rollouts/step_{N:06d}.jsonl each step."""
@@ -340,11 +360,11 @@ class TrainerConfig:
     """Bitwise-repeatable rollouts and updates on CPU for the same seed: per-request sampling seeds
     from (step, trajectory uid, turn), a lockstep engine schedule and an empty prefix cache at
     each rollout, so a killed and resumed run repeats an uninterrupted one (docs/resume.md)."""
-    seed: int = 42
+    seed: NonNegativeInt = 42
     """Seed of every RNG (torch, numpy, python, Megatron's TP RNG tracker)."""
     init_from: str = ""
     """Checkpoint (e.g. written by `sft`) whose weights the actor starts from instead of model.path."""
-    worker_timeout_s: float = 600.0
+    worker_timeout_s: PositiveFloat = 600.0
     """A worker call that does not return within this many seconds is an error naming the worker."""
     mode: Literal["sync", "async"] = "sync"
     """'sync': generate, then train, each step; 'async': the engines generate the next steps' groups
@@ -355,14 +375,14 @@ class TrainerConfig:
 class AsyncConfig:
     """Asynchronous RL (`trainer.mode=async`; the YAML and override key is `async`)."""
 
-    max_staleness: int = 1
+    max_staleness: NonNegativeInt = 1
     """eta: a group is admitted (its generation starts) only while fewer than (eta + 1) x
     data.train_batch_size groups are ahead of the trainer's weight version, so no trained token
     was sampled more than eta versions before the update that trains it. 0: the synchronous run."""
     keep_kv: bool = False
     """Requests that a weight sync interrupts keep their KV cache (computed with the old weights),
     and the prefix cache stays; false (the default) recomputes it under the new weights."""
-    interrupt_after_engine_steps: int = 16
+    interrupt_after_engine_steps: PositiveInt = 16
     """Deterministic mode: a batch that a sync will interrupt pauses after this many engine steps
     of its rollout and takes the new weights there (or at its end, if shorter), so the schedule
     is a function of the config. Otherwise a sync interrupts the engines when it arrives."""
@@ -374,7 +394,7 @@ class RayConfig:
 
     address: str = ""
     """'' starts a local cluster sized to the machine; 'auto' or HOST:PORT joins an existing one."""
-    num_cpus: int = 0
+    num_cpus: NonNegativeInt = 0
     """CPUs of the local cluster (0: all of this machine's)."""
 
 
@@ -384,9 +404,9 @@ class CheckpointConfig:
 
     save_dir: str = ""
     """Where checkpoints go; empty means <run_dir>/checkpoints."""
-    save_freq: int = 0
+    save_freq: NonNegativeInt = 0
     """Save every N steps (0: only at the end)."""
-    keep_last: int = 2
+    keep_last: PositiveInt = 2
     """Complete checkpoints kept (older ones removed only after a new one is complete)."""
     on_save_error: Literal["stop", "continue"] = "stop"
     """A save that fails (e.g. a full disk): 'stop' (exit 1 naming the path; the previous checkpoint
@@ -397,16 +417,16 @@ class CheckpointConfig:
 class DebugConfig:
     """Fault drills (docs/faults.md); all off by default."""
 
-    nan_logits_step: int = 0
+    nan_logits_step: NonNegativeInt = 0
     """RL step whose update gets a NaN in the actor's logits (0: off)."""
-    nan_logits_sample: int = 0
+    nan_logits_sample: NonNegativeInt = 0
     """Which trajectory of that step: its index in the step's batch (line of rollouts/step_N.jsonl)."""
-    nan_logits_token: int = 0
+    nan_logits_token: NonNegativeInt = 0
     """Which token of it: index into its response_ids (0: the first response token)."""
     forced_first_turn: str = ""
     """Text the engines must emit as every trajectory's first assistant turn (makes a random model
     call tools; '' off)."""
-    kill_engine_at_step: int = 0
+    kill_engine_at_step: NonNegativeInt = 0
     """RL step at whose rollout engine 0's process kills itself (SIGKILL) after a few engine steps;
     once per run folder, the replacement does not (0: off)."""
     hold_at: str = ""
@@ -464,5 +484,12 @@ class Config:
     """Fault injection for drills and tests."""
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration key or value is wrong; the message names it."""
+
+    @classmethod
+    def of(cls, problems: list[str]) -> ConfigError:
+        """One error reporting every problem (one per line when there are several)."""
+        if len(problems) == 1:
+            return cls(problems[0])
+        return cls(f"{len(problems)} problems in the config:\n  " + "\n  ".join(problems))

@@ -1,116 +1,138 @@
 """The one validation pass of a loaded config: every check that needs no worker.
 
-Types and single-field choices are checked while the config is loaded (`load.py`); here are the
-checks that involve several fields, the file system or the machine. Each error names the key and
-the fix. The layout check against the model's heads and layers needs its `config.json`, so the
+Types, choices and ranges of single fields are checked while the config is loaded (`load.py`,
+`constraints.py`); here are the checks that involve several fields, the file system or the
+machine, all reported at once. Each error names the key and the fix. The layout check against the model's heads and layers needs its `config.json`, so the
 trainer runs it once the model folder exists (`train.trainer.check_layout`).
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 from pathlib import Path
 
-from megatron_agent.config.schema import KILL_PHASES, Config, ConfigError
+from megatron_agent.config.schema import BUILTIN_TOOLS, KILL_PHASES, Config, ConfigError
 
 
 def validate_config(cfg: Config) -> None:
-    """Raise `ConfigError` for the first setting that cannot work."""
-    _check_sizes(cfg)
-    _check_paths(cfg)
-    _check_parallel(cfg)
+    """Raise one `ConfigError` listing every setting that cannot work (the single-field ranges
+    were checked while loading, so each check here may assume them)."""
+    problems: list[str] = []
+    for check in (_check_sizes, _check_paths, _check_parallel, _check_async, _check_tools, _check_debug):
+        problems += check(cfg)
+    if problems:
+        raise ConfigError.of(problems)
     _check_machine(cfg)
-    _check_async(cfg)
-    hold = cfg.debug.hold_at
-    phase, _, step = hold.partition(":")
-    if hold and (phase not in KILL_PHASES or not step.isdigit()):
-        raise ConfigError(
-            f"debug.hold_at={hold!r}: write PHASE:STEP with PHASE one of {', '.join(KILL_PHASES)}"
-        )
 
 
-def _check_sizes(cfg: Config) -> None:
-    a, d, p, r = cfg.actor, cfg.data, cfg.parallel, cfg.rollout
-    for key, value in (
-        ("data.train_batch_size", d.train_batch_size),
-        ("rollout.n", r.n),
-        ("actor.ppo_epochs", a.ppo_epochs),
-        ("parallel.tp", p.tp),
-        ("parallel.pp", p.pp),
-        ("parallel.dp", p.dp),
-        ("parallel.vpp", p.vpp),
-        ("rollout.num_engines", r.num_engines),
-        ("model.logprob_chunk_tokens", cfg.model.logprob_chunk_tokens),
-        ("actor.micro_batch_tokens", a.micro_batch_tokens),
-    ):
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1")
+def _check_sizes(cfg: Config) -> list[str]:
+    a, d, r, problems = cfg.actor, cfg.data, cfg.rollout, []
     mini = a.ppo_mini_batch_size or d.train_batch_size
     if d.train_batch_size % mini:
-        raise ConfigError(
+        problems.append(
             f"data.train_batch_size={d.train_batch_size} is not divisible by actor.ppo_mini_batch_size={mini}: "
             f"choose a mini-batch size that divides it (e.g. {math.gcd(d.train_batch_size, mini)})"
         )
     if r.num_engines > d.train_batch_size:
-        raise ConfigError(
+        problems.append(
             f"rollout.num_engines={r.num_engines} exceeds data.train_batch_size={d.train_batch_size}: "
             "fewer engines than prompts per step"
         )
+    if r.max_new_tokens >= r.max_total_tokens:
+        problems.append(
+            f"rollout.max_new_tokens={r.max_new_tokens} must be < rollout.max_total_tokens={r.max_total_tokens} "
+            "(the prompt and the response share the total)"
+        )
+    if a.min_lr > a.lr:
+        problems.append(f"actor.min_lr={a.min_lr:g} exceeds actor.lr={a.lr:g}: the decay ends below the peak")
+    return problems
 
 
-def _check_paths(cfg: Config) -> None:
+def _check_paths(cfg: Config) -> list[str]:
+    problems = []
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(
+        problems.append(
             f"model.path={cfg.model.path!r} is not an HF model folder (no config.json there): "
             "give the folder of config.json and the safetensors"
         )
     if cfg.trainer.init_from and not (Path(cfg.trainer.init_from) / "meta.json").is_file():
-        raise ConfigError(
+        problems.append(
             f"trainer.init_from={cfg.trainer.init_from!r} is not a checkpoint folder (no meta.json): "
             "give a folder written by `sft` or `train`"
         )
-    for key, value in (("data.train_path", cfg.data.train_path), ("data.val_path", cfg.data.val_path)):
-        if value and not Path(value).is_file():
-            raise ConfigError(f"{key}={value!r} does not exist")
-
-
-def _check_parallel(cfg: Config) -> None:
-    p = cfg.parallel
-    if p.vpp > 1 and p.pp == 1:
-        raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp > 1")
-
-
-def _check_async(cfg: Config) -> None:
-    """Asynchronous RL needs an off-policy correction; the correction needs IS weights."""
-    algo, eta = cfg.algorithm, cfg.async_.max_staleness
-    if eta < 0:
-        raise ConfigError(f"async.max_staleness={eta} must be >= 0 (0: the synchronous schedule)")
-    if cfg.async_.interrupt_after_engine_steps < 1:
-        raise ConfigError(
-            f"async.interrupt_after_engine_steps={cfg.async_.interrupt_after_engine_steps} must be >= 1"
+    if cfg.trainer.resume not in ("auto", "never") and not Path(cfg.trainer.resume).is_dir():
+        problems.append(
+            f"trainer.resume={cfg.trainer.resume!r} is neither 'auto', 'never' nor a checkpoint folder"
         )
+    if not cfg.trainer.run_dir:
+        problems.append("trainer.run_dir is empty: give the run folder (e.g. runs/my_run)")
+    for key, value in (
+        ("data.train_path", cfg.data.train_path),
+        ("data.val_path", cfg.data.val_path),
+        ("sft.data_path", cfg.sft.data_path),
+    ):
+        if value and not Path(value).is_file():
+            problems.append(f"{key}={value!r} does not exist")
+    index = cfg.tools.search_index_dir
+    if index and not Path(index).is_dir():
+        problems.append(f"tools.search_index_dir={index!r} is not a folder (build one: envs/tools/search.py)")
+    return problems
+
+
+def _check_parallel(cfg: Config) -> list[str]:
+    p = cfg.parallel
+    return [f"parallel.vpp={p.vpp} needs parallel.pp > 1"] if p.vpp > 1 and p.pp == 1 else []
+
+
+def _check_async(cfg: Config) -> list[str]:
+    """Asynchronous RL needs an off-policy correction; the correction needs IS weights."""
+    algo, problems = cfg.algorithm, []
     if cfg.trainer.mode == "async":
         if not algo.off_policy_loss:
-            raise ConfigError(
+            problems.append(
                 "trainer.mode=async needs an off-policy correction: set algorithm.off_policy_loss=decoupled "
                 "(or tis); without one the loss treats tokens sampled by older weights as on-policy"
             )
         if algo.dynamic_sampling:
-            raise ConfigError(
+            problems.append(
                 "algorithm.dynamic_sampling=true is not supported with trainer.mode=async yet "
                 "(a refilled group would break the admission order): set one of them off"
             )
         if algo.adv_estimator == "remax":
-            raise ConfigError(
+            problems.append(
                 "algorithm.adv_estimator=remax is not supported with trainer.mode=async: its greedy "
                 "baseline rollout would wait behind the batches generating ahead (use grpo, rloo or "
                 "reinforce_plus_plus)"
             )
     if algo.off_policy_loss and algo.rollout_is == "none":
-        raise ConfigError(
+        problems.append(
             f"algorithm.off_policy_loss={algo.off_policy_loss} weights tokens by pi_prox/pi_engine but "
             "algorithm.rollout_is=none turns those weights off: use auto, token or sequence"
         )
+    return problems
+
+
+def _check_tools(cfg: Config) -> list[str]:
+    """Each enabled tool is a built-in or a dotted path to a user's tool."""
+    problems = []
+    for name in cfg.tools.enabled:
+        if name not in BUILTIN_TOOLS and "." not in name:
+            near = difflib.get_close_matches(name, BUILTIN_TOOLS, n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            problems.append(
+                f"tools.enabled: unknown tool {name!r}: {hint}use one of {', '.join(BUILTIN_TOOLS)} "
+                "or a dotted path to a Tool (my_package.tools.MyTool)"
+            )
+    return problems
+
+
+def _check_debug(cfg: Config) -> list[str]:
+    hold = cfg.debug.hold_at
+    phase, _, step = hold.partition(":")
+    if hold and (phase not in KILL_PHASES or not step.isdigit()):
+        return [f"debug.hold_at={hold!r}: write PHASE:STEP with PHASE one of {', '.join(KILL_PHASES)}"]
+    return []
 
 
 def _check_machine(cfg: Config) -> None:

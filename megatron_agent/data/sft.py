@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_agent.data.tasks import read_rows
+from megatron_agent.errors import InputError
 
 logger = logging.getLogger(__name__)
 _ROLES = ("system", "user", "assistant", "tool")
@@ -92,9 +93,9 @@ def load_sft_rows(path: str | os.PathLike) -> tuple[list[dict], int]:
     """Rows of a .jsonl or .parquet SFT file and the number of bad rows skipped (each warned about)."""
     path = Path(path)
     if path.suffix not in (".jsonl", ".json", ".parquet"):
-        raise ValueError(f"{path}: SFT files are .jsonl or .parquet")
-    if not path.exists():
-        raise ValueError(f"SFT file {path} does not exist")
+        raise InputError(f"{path}: SFT files are .jsonl or .parquet")
+    if not path.is_file():
+        raise InputError(f"SFT file {path} does not exist")
     rows, num_skipped = [], 0
     for num, row, error in read_rows(path):
         try:

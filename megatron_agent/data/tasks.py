@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_agent.envs.rewards import reward_weights
+from megatron_agent.errors import InputError
 
 logger = logging.getLogger(__name__)
 _ROLES = ("system", "user", "assistant", "tool")
@@ -87,15 +88,27 @@ def parse_task(row: Any, row_num: int) -> Task:
 
 
 def read_rows(path: Path):
-    """(row number, row or None, error or None) for each row of a .jsonl or .parquet file."""
+    """(row number, row or None, error or None) for each row of a .jsonl or .parquet file; a
+    line that is not UTF-8 or not JSON is an error of its row; an unreadable parquet file is an
+    `InputError` naming it."""
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for num, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"{path} is not a readable parquet file: {exc}") from None
+        for num, row in enumerate(table.to_pylist(), 1):
             yield num, row, None
         return
-    with open(path) as f:
-        for num, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for num, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield num, None, f"not UTF-8 text ({exc.reason} at byte {exc.start} of the line)"
+                continue
             if not line.strip():
                 continue
             try:
@@ -108,9 +121,9 @@ def load_tasks(path: str | os.PathLike) -> tuple[list[Task], int]:
     """Tasks of a .jsonl or .parquet file and the number of bad rows skipped (each warned about)."""
     path = Path(path)
     if path.suffix not in (".jsonl", ".parquet", ".json"):
-        raise ValueError(f"{path}: task files are .jsonl or .parquet")
-    if not path.exists():
-        raise ValueError(f"task file {path} does not exist")
+        raise InputError(f"{path}: task files are .jsonl or .parquet")
+    if not path.is_file():
+        raise InputError(f"task file {path} does not exist")
     tasks, num_skipped, seen = [], 0, set()
     for num, row, error in read_rows(path):
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from megatron_agent.errors import InputError
+
 
 def load_object(path: str) -> Any:
     """The object at `package.module:attr` or `package.module.attr`; ValueError naming the path."""
@@ -13,15 +15,15 @@ def load_object(path: str) -> Any:
     elif "." in path:
         module_name, attr = path.rsplit(".", 1)
     else:
-        raise ValueError(f"{path!r} is not a dotted path (package.module.name)")
+        raise InputError(f"{path!r} is not a dotted path (package.module.name)")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} for {path!r}: {exc}") from None
+        raise InputError(f"cannot import module {module_name!r} for {path!r}: {exc}") from None
     try:
         obj = module
         for part in attr.split("."):
             obj = getattr(obj, part)
     except AttributeError:
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+        raise InputError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
     return obj

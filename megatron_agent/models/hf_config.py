@@ -8,8 +8,11 @@ silently different model.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_agent.errors import InputError
 
 # architectures value -> family
 SUPPORTED_ARCHITECTURES = {
@@ -20,7 +23,11 @@ SUPPORTED_ARCHITECTURES = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-class UnsupportedModelError(ValueError):
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class UnsupportedModelError(InputError):
     """The HF config describes something the Megatron model cannot reproduce exactly."""
 
 
@@ -136,3 +143,47 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron's vocabulary padding: the smallest multiple of divisible_by * tp >= vocab_size."""
     multiple = divisible_by * tp
     return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def model_arch(path: str | Path, flag: str = "--model") -> ModelArch:
+    """The checked `ModelArch` of the HF model folder `path` (given as `flag`).
+
+    Raises `InputError` naming the flag and the folder when it does not exist, has no
+    config.json or no safetensors weights, or describes a model that is not supported.
+    """
+    folder = Path(path)
+    what = "give an HF model folder (config.json + safetensors)"
+    if not folder.exists():
+        raise InputError(f"{flag} {path}: no such folder: {what}")
+    if not folder.is_dir():
+        raise InputError(f"{flag} {path}: not a folder: {what}")
+    if not (folder / "config.json").is_file():
+        raise InputError(f"{flag} {path}: no config.json in this folder: {what}")
+    if not (folder / SINGLE_FILE).is_file() and not (folder / INDEX_FILE).is_file():
+        raise InputError(f"{flag} {path}: neither {SINGLE_FILE} nor {INDEX_FILE} in this folder: {what}")
+    try:
+        cfg = load_hf_config(folder)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{flag} {path}: config.json is not valid JSON ({e})") from None
+    try:
+        return arch_from_hf_config(cfg)
+    except InputError as e:
+        raise type(e)(f"{flag} {path}: {e}") from None
+    except (KeyError, TypeError) as e:
+        raise InputError(f"{flag} {path}: config.json lacks or mistypes {e}") from None
+
+
+def check_parallel_fit(
+    arch: ModelArch, tp: int, pp: int, vpp: int = 1, *, keys: tuple[str, str, str] = ("--tp", "--pp", "--vpp")
+) -> None:
+    """Raise `InputError` when the model cannot be split at tp/pp/vpp (named by `keys`: the flags,
+    or the config keys): tp must divide its attention heads and key/value heads, pp * vpp its layers."""
+    heads, groups, layers = arch.num_attention_heads, arch.num_query_groups, arch.num_layers
+    if heads % tp or groups % tp:
+        raise InputError(
+            f"{keys[0]}={tp} does not divide the model's {heads} attention heads and {groups} key/value "
+            f"heads: choose a tp that divides both (e.g. {math.gcd(heads, groups)})"
+        )
+    if layers % (pp * vpp):
+        what = f"{keys[1]}={pp} x {keys[2]}={vpp} = {pp * vpp}" if vpp > 1 else f"{keys[1]}={pp}"
+        raise InputError(f"{what} does not divide the model's {layers} layers: choose a divisor of {layers}")

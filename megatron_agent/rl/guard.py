@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_agent.errors import RunFailure
+
 _EXP_CLAMP = 20.0
 # Per-token fields gathered for candidate tokens (float64 holds token ids exactly).
 _FIELDS = (
@@ -67,7 +69,7 @@ _REASONS = (
 )
 
 
-class GuardError(RuntimeError):
+class GuardError(RunFailure):
     """Raised when more than `max_consecutive_skips` optimizer steps in a row breached the guard."""
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_agent.errors import RunFailure
 from megatron_agent.sync.fp8 import wire_dtype
 
 ALIGN = 256  # byte alignment of every tensor in a bucket (any dtype view, CUDA-friendly)
@@ -32,7 +33,7 @@ _DTYPES = {
 }
 
 
-class SyncError(RuntimeError):
+class SyncError(RunFailure):
     """The weight sync failed: a checksum or probe mismatch, or an engine that died or hung."""
 
 

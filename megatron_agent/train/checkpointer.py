@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 
+from megatron_agent.errors import RunFailure
 
-class SaveError(RuntimeError):
+
+class SaveError(RunFailure):
     """A checkpoint could not be written (checkpoint.on_save_error=stop, or the final save)."""
 
 

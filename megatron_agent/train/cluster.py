@@ -20,8 +20,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_agent.errors import RunFailure
 
-class WorkerError(RuntimeError):
+
+class WorkerError(RunFailure):
     """A worker raised, died or did not answer; the message names it and shows its log's tail."""
 
 

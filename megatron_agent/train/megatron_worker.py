@@ -163,8 +163,10 @@ class MegatronWorker:
     def _load_weights(self, ckpt_dir: str) -> None:
         from megatron_agent.checkpoint.model_io import load_checkpoint
 
+        # sizes only: the driver hashed every file before any worker started (run.check_inputs_up_front),
+        # or the checkpoint was just written by this run
         for model in (m for m in (self.actor, self.ref) if m is not None):
-            load_checkpoint(ckpt_dir, model.chunks, model.arch)
+            load_checkpoint(ckpt_dir, model.chunks, model.arch, verify=False)
 
     # --------------------------------------------------------------------------------- RL
     def make_update(self, total_optimizer_steps: int) -> None:

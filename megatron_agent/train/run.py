@@ -73,7 +73,7 @@ class Run:
         from megatron_agent.train.run_state import find_resume, resolve_ref_from
         from megatron_agent.train.signals import StopRequest
 
-        trainer = self._trainer()
+        trainer = self._trainer(sft=self.cfg.sft.steps > 0 and not self.cfg.trainer.init_from)
         if trainer is None:
             return 2
         try:
@@ -101,7 +101,7 @@ class Run:
         """SFT alone (`sft` command): the checkpoint that `train` starts from with `trainer.init_from`."""
         from megatron_agent.train.sft_run import run_sft
 
-        trainer = self._trainer()
+        trainer = self._trainer(sft=True)
         if trainer is None:
             return 2
 
@@ -113,10 +113,13 @@ class Run:
         return self._with_workers(trainer, None, body, engines=False)
 
     # ----------------------------------------------------------------------------- lifetime
-    def _trainer(self):
+    def _trainer(self, *, sft: bool):
+        """The driver's `Trainer` (tasks loaded, base model made), after the inputs that only the
+        workers would read are checked: all before Ray or any worker starts. None: bad input."""
         from megatron_agent.train.trainer import Trainer
 
         try:
+            check_inputs_up_front(self.cfg, sft=sft)
             return Trainer(self.cfg, self.plan)
         except BAD_INPUT as exc:
             _error(exc, 2)
@@ -256,6 +259,25 @@ def async_pipeline(trainer, state: dict | None):
     return pipeline
 
 
+def check_inputs_up_front(cfg: Config, *, sft: bool) -> None:
+    """Check in the driver what the workers would read first: the `trainer.init_from` checkpoint
+    (every file against its manifest; the workers then check sizes only) and, when SFT runs, the
+    rows of `sft.data_path`. Raises an `InputError` naming the file (and row)."""
+    from megatron_agent.checkpoint.manifest import verify_manifest
+    from megatron_agent.data.sft import load_sft_rows
+    from megatron_agent.errors import InputError
+
+    if cfg.trainer.init_from:
+        verify_manifest(cfg.trainer.init_from)
+    if sft and cfg.sft.data_path:
+        rows, num_skipped = load_sft_rows(cfg.sft.data_path)
+        if not rows:
+            raise InputError(
+                f"sft.data_path={cfg.sft.data_path!r} has no usable rows ({num_skipped} skipped, each "
+                'named above): rows are {"messages": [...], "tools": [...]}'
+            )
+
+
 def _versions_ok() -> bool:
     from megatron_agent.platform.versions import check_versions
 
@@ -269,5 +291,6 @@ def _versions_ok() -> bool:
 
 
 def _error(exc: BaseException, status: int) -> int:
-    print(f"error: {exc}", file=sys.stderr)
-    return status
+    from megatron_agent.errors import report
+
+    return report(exc, status)

@@ -44,19 +44,11 @@ def make_base_model(cfg: Config, plan: RunPlan) -> str:
 
 def check_layout(cfg: Config, model_path: str) -> None:
     """Errors for a parallel layout the model at `model_path` cannot be split into (heads, layers)."""
-    from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
+    from megatron_agent.models.hf_config import arch_from_hf_config, check_parallel_fit, load_hf_config
 
-    arch = arch_from_hf_config(load_hf_config(model_path))
     p = cfg.parallel
-    if arch.num_attention_heads % p.tp or arch.num_query_groups % p.tp:
-        raise ConfigError(
-            f"parallel.tp={p.tp} does not divide the model's {arch.num_attention_heads} attention heads and "
-            f"{arch.num_query_groups} key/value heads: choose a tp that divides both"
-        )
-    if arch.num_layers % (p.pp * p.vpp):
-        raise ConfigError(
-            f"parallel.pp * parallel.vpp = {p.pp * p.vpp} does not divide the model's {arch.num_layers} layers"
-        )
+    arch = arch_from_hf_config(load_hf_config(model_path))
+    check_parallel_fit(arch, p.tp, p.pp, p.vpp, keys=("parallel.tp", "parallel.pp", "parallel.vpp"))
 
 
 def kl_controller(cfg: Config):
@@ -73,13 +65,20 @@ class Trainer:
         self.cfg = cfg
         self.plan = plan = plan or make_plan(cfg)
         self.run_dir = Path(plan.run_dir)
+        # the task files first: a bad one is refused before anything is written to the run folder
+        train_tasks, num_skipped = self._read_tasks(cfg.data.train_path)
+        val_tasks, num_val_skipped = self._read_tasks(cfg.data.val_path)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_path = make_base_model(cfg, plan)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.train_tasks, self.num_skipped_rows = self._load_tasks(cfg.data.train_path, cfg.data.seed)
-        self.val_tasks, _ = self._load_tasks(cfg.data.val_path, cfg.data.seed + 1, validation=True)
+        self.train_tasks, self.num_skipped_rows = self._load_tasks(
+            cfg.data.train_path, cfg.data.seed, train_tasks, num_skipped
+        )
+        self.val_tasks, _ = self._load_tasks(
+            cfg.data.val_path, cfg.data.seed + 1, val_tasks, num_val_skipped, validation=True
+        )
         self.sampler = PromptSampler(len(self.train_tasks), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.kl_ctrl = kl_controller(cfg)
         self.actors: WorkerGroup | None = None
@@ -92,22 +91,26 @@ class Trainer:
         self._last_sync: dict = {}  # the latest sync's metrics
 
     # ----------------------------------------------------------------------------- data
-    def _load_tasks(self, path: str, seed: int, validation: bool = False) -> tuple[list[Task], int]:
-        from megatron_agent.data import synthetic
+    @staticmethod
+    def _read_tasks(path: str) -> tuple[list[Task] | None, int]:
+        """(tasks, bad rows skipped) of a task file; (None, 0) when `path` is empty (synthetic)."""
         from megatron_agent.data.tasks import load_tasks
 
+        if not path:
+            return None, 0
+        tasks, num_skipped = load_tasks(path)
+        if not tasks:
+            raise ConfigError(f"no usable tasks in {path} ({num_skipped} skipped, each named above)")
+        return tasks, num_skipped
+
+    def _load_tasks(
+        self, path: str, seed: int, tasks: list[Task] | None, num_skipped: int, validation: bool = False
+    ) -> tuple[list[Task], int]:
+        """The tasks read from `path` (`_read_tasks`), or synthetic ones when None, without those
+        whose prompt exceeds data.max_prompt_length."""
         d = self.cfg.data
-        if path:
-            tasks, num_skipped = load_tasks(path)
-        elif d.synthetic == "arithmetic":
-            num = d.num_synthetic_val_tasks if validation else d.num_synthetic_tasks
-            tasks = synthetic.arithmetic_tasks(num, seed=seed, max_depth=d.arithmetic_max_depth)
-            num_skipped = 0
-        else:  # multihop: a corpus, its search index (`plan.search_index_dir`) and questions
-            num = d.num_synthetic_val_tasks if validation else d.num_synthetic_tasks
-            folder = self.plan.synthetic_dirs[1 if validation else 0]
-            tasks, _, _ = synthetic.multihop_tasks(folder, num, seed)
-            num_skipped = 0
+        if tasks is None:
+            tasks = self._synthetic_tasks(seed, validation)
         kept = [t for t in tasks if self._prompt_length(t) <= d.max_prompt_length]
         num_skipped += len(tasks) - len(kept)
         if len(kept) < len(tasks):
@@ -121,6 +124,16 @@ class Trainer:
         if not kept:
             raise ConfigError(f"no usable tasks in {path or 'the synthetic set'} ({num_skipped} skipped)")
         return kept, num_skipped
+
+    def _synthetic_tasks(self, seed: int, validation: bool) -> list[Task]:
+        from megatron_agent.data import synthetic
+
+        d = self.cfg.data
+        num = d.num_synthetic_val_tasks if validation else d.num_synthetic_tasks
+        if d.synthetic == "arithmetic":
+            return synthetic.arithmetic_tasks(num, seed=seed, max_depth=d.arithmetic_max_depth)
+        # multihop: a corpus, its search index (`plan.search_index_dir`) and questions
+        return synthetic.multihop_tasks(self.plan.synthetic_dirs[1 if validation else 0], num, seed)[0]
 
     def _prompt_length(self, task: Task) -> int:
         """Prompt ids exactly as the agent loop renders them (with the task's tool schemas)."""

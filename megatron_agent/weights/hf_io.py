@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+from megatron_agent.models.hf_config import INDEX_FILE, SINGLE_FILE
 
 
 class HFCheckpointReader:

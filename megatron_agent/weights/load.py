@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_agent.errors import InputError
 from megatron_agent.models.hf_config import ModelArch
 from megatron_agent.weights.hf_io import HFCheckpointReader
 from megatron_agent.weights.mapping import ParamRule, all_hf_names, global_rules, layer_rules
@@ -28,7 +29,7 @@ from megatron_agent.weights.mapping import ParamRule, all_hf_names, global_rules
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(InputError):
     """The HF checkpoint's tensors do not match what the architecture needs."""
 
 

@@ -18,7 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import check_layout, quiet, report_peak  # noqa: E402
+from _common import check_layout, check_out, quiet, report_peak  # noqa: E402
+
+from megatron_agent.errors import run_command  # noqa: E402
+from megatron_agent.models.hf_config import model_arch  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,11 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=1)
-    p.add_argument("--dtype", default="auto", help="auto (the source's), bf16 or fp32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: the source's")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint folder")
     args = p.parse_args(argv)
     quiet()
-    args.tp, args.pp, args.vpp = check_layout("hf_to_megatron.py", args.tp, args.pp, args.vpp, keep=False)
+    # Every input is checked here, before torch.distributed starts (an InputError: exit status 2).
+    arch = model_arch(args.hf, "--hf")
+    check_out(args.out, args.overwrite)
+    args.tp, args.pp, args.vpp = check_layout(
+        "hf_to_megatron.py", args.tp, args.pp, args.vpp, keep=False, arch=arch
+    )
     from megatron_agent.checkpoint.convert import hf_to_megatron
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
 
@@ -55,4 +63,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, sys.argv[1:]))

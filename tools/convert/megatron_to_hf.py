@@ -15,13 +15,16 @@ had them. Optimizer and trainer state are not exported. See docs/convert.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import quiet, report_peak, resolve_checkpoint  # noqa: E402
+from _common import check_out, quiet, report_peak, resolve_checkpoint  # noqa: E402
+
+from megatron_agent.errors import InputError, run_command  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,17 +37,28 @@ def main(argv: list[str] | None = None) -> int:
         "(its newest complete checkpoint)",
     )
     p.add_argument("--out", required=True, help="HF folder to create")
-    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bf16 or fp32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: the checkpoint's")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--skip-checksums", action="store_true", help="check file sizes only, not sha256")
     args = p.parse_args(argv)
     quiet()
+    # Every input is checked here, before torch.distributed starts (an InputError: exit status 2):
+    # the checkpoint against its manifest (an altered file is named), the output folder, the size.
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise InputError(
+            "megatron_to_hf.py runs on one process (it streams): run it with python, not torchrun"
+        )
+    ckpt, _ = resolve_checkpoint(args.ckpt, hashes=not args.skip_checksums)
+    check_out(args.out, args.overwrite)
+    from megatron_agent.weights.hf_write import parse_size
+
     try:
-        ckpt, verified = resolve_checkpoint(args.ckpt, hashes=not args.skip_checksums)
+        shard_bytes = parse_size(args.max_shard_size)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise InputError(f"--max-shard-size {args.max_shard_size!r}: {exc}") from None
+    if shard_bytes < 1:
+        raise InputError(f"--max-shard-size {args.max_shard_size!r}: must be more than 0 bytes (e.g. 5GB)")
     from megatron_agent.checkpoint.convert import megatron_to_hf
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
 
@@ -56,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
-        verify=not (args.skip_checksums or verified),  # hashed above already
+        verify=False,  # verified above (sizes, and sha256 unless --skip-checksums)
     )
     print(
         f"wrote {args.out} from {ckpt}: {len(files)} safetensors file(s) in {time.perf_counter() - start:.1f} s, {report_peak()}"
@@ -66,4 +80,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, sys.argv[1:]))

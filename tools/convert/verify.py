@@ -16,12 +16,20 @@ batch is above the tolerance for the compute dtype.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import check_layout, quiet  # noqa: E402
+from _common import check_checkpoint, check_layout, quiet  # noqa: E402
+
+from megatron_agent.errors import (  # noqa: E402
+    InputError,
+    check_positive,  # noqa: E402
+    run_command,
+)
+from megatron_agent.models.hf_config import model_arch  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 """Any of these in a folder means it may hold a tokenizer."""
@@ -77,19 +85,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     quiet()
-    check_layout("verify.py", args.tp, args.pp, keep=True)
+    # Every input is checked here, before torch.distributed starts (an InputError: exit status 2):
+    # the flags, the HF folder, the checkpoint against its manifest (an altered file is named; under
+    # torchrun each rank checks sizes here and rank 0 the sha256 while loading), that both hold
+    # the same architecture, and the layout against the model and the processes.
+    check_positive({"--batch": args.batch, "--seq-len": args.seq_len})
+    arch = model_arch(args.hf, "--hf")
+    single = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    meta = check_checkpoint(args.ckpt, hashes=single)
+    from megatron_agent.checkpoint.model_io import check_arch
+
+    try:
+        check_arch(meta, arch, f"--ckpt {args.ckpt}")
+    except ValueError as exc:
+        raise InputError(f"{exc}: give the HF model this checkpoint was converted from (--hf)") from None
+    check_layout("verify.py", args.tp, args.pp, keep=True, arch=arch)
     import torch.distributed as dist
 
-    from megatron_agent.checkpoint.layout import HF_DIR, read_meta
+    from megatron_agent.checkpoint.layout import HF_DIR
     from megatron_agent.checkpoint.logit_check import TOLERANCES, check_against_hf, within
     from megatron_agent.checkpoint.model_io import load_checkpoint
     from megatron_agent.models.build import DTYPES, BuildOptions, build_model_chunks
-    from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
 
     init_model_parallel(args.tp, args.pp)
-    meta = read_meta(args.ckpt)
-    arch = arch_from_hf_config(load_hf_config(args.hf))
     compute = {"fp32": "fp32", "checkpoint": meta["dtype"]}.get(args.dtype)
     if compute is None:
         from megatron_agent.weights.hf_io import HFCheckpointReader
@@ -99,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         compute = "fp32" if same else meta["dtype"]
     opts = BuildOptions(tp=args.tp, pp=args.pp, dtype=compute)
     chunks = build_model_chunks(arch, opts, trainable=False, initialize=False)  # the load fills all
-    load_checkpoint(args.ckpt, chunks, arch)
+    load_checkpoint(args.ckpt, chunks, arch, verify=not single)  # sha256 verified above in one process
     tol = dict(TOLERANCES[compute])
     if args.atol_logits is not None:
         tol["logits"] = args.atol_logits
@@ -133,4 +152,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main, sys.argv[1:]))

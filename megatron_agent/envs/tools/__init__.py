@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from megatron_agent.config.schema import BUILTIN_TOOLS
 from megatron_agent.envs.registry import load_object
 from megatron_agent.envs.tools.base import Tool, ToolResult, ToolSet, validate_arguments
 from megatron_agent.envs.tools.calculator import Calculator
-
-BUILTIN_TOOLS = ("calculator", "search", "python")
+from megatron_agent.errors import InputError
 
 
 def make_tool(
@@ -27,7 +27,7 @@ def make_tool(
         from megatron_agent.envs.tools.search import Search
 
         if not search_index_dir:
-            raise ValueError(
+            raise InputError(
                 "the search tool needs tools.search_index_dir (build it with build_search_index)"
             )
         return Search(search_index_dir, top_k=search_top_k)
@@ -36,14 +36,14 @@ def make_tool(
 
         return Python(memory_mb=python_memory_mb, sandbox=python_sandbox, max_processes=python_max_processes)
     if "." not in spec and ":" not in spec:
-        raise ValueError(f"unknown tool {spec!r}: use one of {BUILTIN_TOOLS} or a dotted path to a Tool")
+        raise InputError(f"unknown tool {spec!r}: use one of {BUILTIN_TOOLS} or a dotted path to a Tool")
     obj = load_object(spec)
     try:
         tool = obj() if callable(obj) and not isinstance(obj, Tool) else obj
     except TypeError as exc:
-        raise ValueError(f"{spec!r} cannot be built with no arguments: {exc}") from None
+        raise InputError(f"{spec!r} cannot be built with no arguments: {exc}") from None
     if not isinstance(tool, Tool):
-        raise ValueError(
+        raise InputError(
             f"{spec!r} did not give a megatron_agent.envs.tools.Tool (got {type(tool).__name__})"
         )
     return tool

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from megatron_agent.envs.tools.base import Tool
+from megatron_agent.errors import InputError
 
 _PASSAGES = "passages.jsonl"
 
@@ -27,9 +28,9 @@ def read_corpus(path: str | os.PathLike) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{num}: not JSON ({exc})") from None
+                raise InputError(f"{path}:{num}: not JSON ({exc})") from None
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise ValueError(f"{path}:{num}: a passage needs a string 'text'")
+                raise InputError(f"{path}:{num}: a passage needs a string 'text'")
             passages.append(
                 {"id": str(row.get("id", num - 1)), "title": str(row.get("title", "")), "text": row["text"]}
             )
@@ -68,7 +69,7 @@ def build_search_index(corpus_path: str | os.PathLike, index_dir: str | os.PathL
     bm25s = _import_bm25s()
     passages = read_corpus(corpus_path)
     if not passages:
-        raise ValueError(f"{corpus_path}: the corpus is empty")
+        raise InputError(f"{corpus_path}: the corpus is empty")
     out = Path(index_dir)
     out.mkdir(parents=True, exist_ok=True)
     retriever = bm25s.BM25(backend="numpy")
@@ -96,7 +97,7 @@ class Search(Tool):
         bm25s = _import_bm25s()
         index_dir = Path(index_dir)
         if not (index_dir / _PASSAGES).exists():
-            raise ValueError(
+            raise InputError(
                 f"{index_dir} holds no search index; build it with build_search_index(corpus, dir)"
             )
         self.retriever = bm25s.BM25.load(

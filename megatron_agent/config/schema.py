@@ -285,7 +285,7 @@ class ToolsConfig:
     enabled: list[str] = field(default_factory=lambda: ["calculator"])
     """Tool names (built-ins) or dotted paths of user tools."""
     timeout_s: PositiveFloat = 10.0
-    """Per-call timeout in seconds."""
+    """Per-call timeout in seconds of every tool (the python tool's process tree is killed at it)."""
     max_tool_response_tokens: PositiveInt = 256
     """Tool output longer than this is truncated."""
     truncate_side: Literal["left", "middle", "right"] = "middle"

@@ -67,6 +67,7 @@ def build_toolset(
             python_memory_mb=cfg.tools.python.memory_mb,
             python_sandbox=cfg.tools.python.sandbox,
             python_max_processes=cfg.tools.python.max_processes,
+            timeout_s=cfg.tools.timeout_s,
         )
         for name in (cfg.tools.enabled if names is None else names)
     ]

@@ -70,17 +70,11 @@ class Run:
     # ----------------------------------------------------------------------------- entry points
     def train(self) -> int:
         """The RL run (resumed when a checkpoint says so); returns the exit status."""
-        from megatron_agent.train.run_state import find_resume, resolve_ref_from
+        from megatron_agent.train.run_state import find_resume, resolve_ref_from, set_aside_before_writing
         from megatron_agent.train.signals import StopRequest
 
-        trainer = self._trainer(sft=self.cfg.sft.steps > 0 and not self.cfg.trainer.init_from)
-        if trainer is None:
-            return 2
-        try:
+        try:  # first: a run folder whose checkpoints all fail is refused before anything is written
             resume_dir, state = find_resume(self.cfg)
-            if state is not None and state.get("ref_from"):  # stored relative to the run folder
-                state["ref_from"] = str(resolve_ref_from(state["ref_from"], trainer.run_dir, resume_dir))
-            pipeline = async_pipeline(trainer, state)
         except BAD_INPUT as exc:
             return _error(exc, 2)
         total = self.cfg.trainer.total_steps
@@ -90,8 +84,21 @@ class Run:
                 f"trainer.total_steps={total}; nothing to do (raise trainer.total_steps to go on)"
             )
             return 0
+        trainer = self._trainer(sft=self._sft_runs())
+        if trainer is None:
+            return 2
+        try:
+            if state is not None and state.get("ref_from"):  # stored relative to the run folder
+                state["ref_from"] = str(resolve_ref_from(state["ref_from"], trainer.run_dir, resume_dir))
+            pipeline = async_pipeline(trainer, state)
+        except BAD_INPUT as exc:
+            return _error(exc, 2)
         if not _versions_ok():
             return 2
+        # what this run would write over is moved aside, never overwritten
+        set_aside_before_writing(
+            self.cfg, None if state is None else state["step"], sft_runs=self._sft_runs()
+        )
         with StopRequest() as stop:
             return self._with_workers(
                 trainer, stop, lambda log: self._rl(trainer, log, stop, resume_dir, state, pipeline)
@@ -99,11 +106,15 @@ class Run:
 
     def sft(self) -> int:
         """SFT alone (`sft` command): the checkpoint that `train` starts from with `trainer.init_from`."""
+        from megatron_agent.train.run_state import set_aside
         from megatron_agent.train.sft_run import run_sft
 
         trainer = self._trainer(sft=True)
         if trainer is None:
             return 2
+        previous = trainer.run_dir / "sft" / "checkpoint"
+        if previous.exists():  # never written over
+            set_aside(previous, "previous")
 
         def body(run_log) -> int:
             ckpt = run_sft(trainer, run_log, trainer.run_dir / "sft" / "checkpoint")
@@ -111,6 +122,10 @@ class Run:
             return 0
 
         return self._with_workers(trainer, None, body, engines=False)
+
+    def _sft_runs(self) -> bool:
+        """True when `train` starts with SFT (sft.steps > 0 and no trainer.init_from)."""
+        return self.cfg.sft.steps > 0 and not self.cfg.trainer.init_from
 
     # ----------------------------------------------------------------------------- lifetime
     def _trainer(self, *, sft: bool):
@@ -197,8 +212,7 @@ class Run:
         """SFT warm start when configured, the first sync, validation before the first step."""
         from megatron_agent.train.sft_run import run_sft
 
-        cfg = self.cfg
-        if cfg.sft.steps > 0 and not cfg.trainer.init_from:
+        if self._sft_runs():
             ckpt = run_sft(trainer, run_log, trainer.run_dir / "sft" / "checkpoint")
             logger.info("SFT checkpoint: %s", ckpt)
             self._restart_actors_from(trainer, str(ckpt))

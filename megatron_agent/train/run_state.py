@@ -19,6 +19,12 @@ Paths inside the run folder are stored relative to it, so a run folder moved or 
 resumes from its own files.
 Dynamic sampling keeps no groups across steps (a step draws until its batch is full and drops
 the rest), so there is no buffer to save.
+
+A checkpoint once written is never lost to a later run: `find_resume` refuses (exit 2) when
+step folders exist and none verifies, and `set_aside_before_writing` moves every folder that the
+run would otherwise write over (newer than its resume point, or all of them on a fresh start,
+and an earlier SFT checkpoint) into `previous-<time>/` or `damaged-<time>/` beside it. The
+keep-last rotation removes only complete checkpoints, never a damaged one.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ import logging
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 from megatron_agent.checkpoint.manifest import CheckpointIntegrityError, verify_manifest
 from megatron_agent.config.plan import checkpoint_root
+from megatron_agent.errors import InputError
 
 logger = logging.getLogger("megatron_agent.train")
 
@@ -74,9 +82,10 @@ def check_run_checkpoint(path: str | Path, *, hashes: bool = True) -> dict:
 def find_resume(cfg) -> tuple[Path | None, dict | None]:
     """The checkpoint `trainer.resume` selects and its driver state, or (None, None).
 
-    'never': none. 'auto': the newest complete checkpoint under `checkpoint_root(cfg)`; a corrupt
-    or incomplete one is refused with a warning naming the file, and the previous one is tried.
-    A PATH must verify, else the error (naming the file) is raised.
+    'never': none. 'auto': the newest checkpoint under `checkpoint_root(cfg)` that verifies (every
+    file's sha256); a damaged one is refused with a warning naming the file, and the previous one
+    is tried; step folders of which none verifies are an `InputError` naming each (a fresh start
+    would write over them). A PATH must verify, else the error (naming the file) is raised.
     """
     mode = cfg.trainer.resume
     if mode == "never":
@@ -84,14 +93,61 @@ def find_resume(cfg) -> tuple[Path | None, dict | None]:
     if mode != "auto":
         path = Path(mode)
         if not path.is_dir():
-            raise FileNotFoundError(f"trainer.resume={mode!r}: no such checkpoint folder")
+            raise InputError(f"trainer.resume={mode!r}: no such checkpoint folder")
         return path, check_run_checkpoint(path)
-    for _step, path in reversed(list_checkpoints(checkpoint_root(cfg))):
+    root, refused = checkpoint_root(cfg), []
+    for _step, path in reversed(list_checkpoints(root)):
         try:
             return path, check_run_checkpoint(path)
         except (CheckpointIntegrityError, ValueError) as exc:
             logger.warning("refusing checkpoint %s: %s; trying the previous one", path, exc)
+            refused.append(f"{path}: {exc}")
+    if refused:
+        raise InputError(
+            f"trainer.resume=auto: none of the {len(refused)} checkpoint(s) under {root} verifies:\n  "
+            + "\n  ".join(refused)
+            + "\nThey are left as they are. Choose: trainer.resume=PATH (one of them, once repaired), or "
+            f"trainer.resume=never (a fresh start; they are moved aside to {root}/damaged-<time>/, "
+            "never written over)"
+        )
     return None, None
+
+
+def is_complete(path: str | Path) -> bool:
+    """True when every file of the checkpoint `path` has the size its manifest records."""
+    try:
+        verify_manifest(path, hashes=False)
+    except CheckpointIntegrityError:
+        return False
+    return True
+
+
+def set_aside(path: Path, label: str) -> Path:
+    """Move `path` into `<its folder>/<label>-<UTC time>/` (never over anything); returns the new path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    target = path.parent / f"{label}-{stamp}" / path.name
+    suffix = 1
+    while target.exists():
+        target = path.parent / f"{label}-{stamp}.{suffix}" / path.name
+        suffix += 1
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path.rename(target)
+    logger.warning("moved %s aside to %s (this run would have written over it)", path, target)
+    return target
+
+
+def set_aside_before_writing(cfg, resume_step: int | None, *, sft_runs: bool) -> list[Path]:
+    """Move aside what the run would write over: the step folders newer than `resume_step` (all
+    of them on a fresh start, `resume_step` None), as `previous-*` when complete and `damaged-*`
+    otherwise, and on a fresh start that runs SFT an earlier `sft/checkpoint`. Returns the new paths."""
+    moved = []
+    for step, path in list_checkpoints(checkpoint_root(cfg)):
+        if resume_step is None or step > resume_step:
+            moved.append(set_aside(path, "previous" if is_complete(path) else "damaged"))
+    sft = Path(cfg.trainer.run_dir) / "sft" / "checkpoint"
+    if resume_step is None and sft_runs and sft.exists():
+        moved.append(set_aside(sft, "previous"))
+    return moved
 
 
 def rollout_seed(base: int, step: int) -> int:
@@ -172,26 +228,16 @@ def rotate(root: str | Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` complete checkpoints (0: keep all); returns the deleted.
 
     Run right after a save is published. Complete means the manifest's files are all present at
-    their recorded sizes; the newest complete one is never deleted, and damaged folders or
-    leftover staging folders older than it are removed too (they can never be resumed from).
+    their recorded sizes; the newest complete one is never deleted, nor is a damaged folder (its
+    intact files may be all a user can recover); leftover staging folders are removed.
     """
     root = Path(root)
     if keep_last <= 0:
         return []
-    found = list_checkpoints(root)
-    complete = []
-    for _, path in found:
-        try:
-            verify_manifest(path, hashes=False)
-            complete.append(path)
-        except CheckpointIntegrityError:
-            pass
+    complete = [path for _, path in list_checkpoints(root) if is_complete(path)]
     if not complete:
         return []
-    keep = set(complete[-keep_last:])
-    newest_step = max(s for s, p in found if p == complete[-1])
-    doomed = [p for s, p in found if p not in keep and (p in complete or s < newest_step)]
-    doomed += [p for p in root.glob(".step_*.tmp-*") if p.is_dir()]
+    doomed = complete[:-keep_last] + [p for p in root.glob(".step_*.tmp-*") if p.is_dir()]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
         logger.info("removed old checkpoint %s (checkpoint.keep_last=%d)", path, keep_last)
@@ -210,13 +256,7 @@ def discard_staging(final: str | Path) -> list[Path]:
 
 def newest_complete(root: str | Path) -> Path | None:
     """The newest checkpoint under `root` whose files all match the manifest's sizes, or None."""
-    for _step, path in reversed(list_checkpoints(root)):
-        try:
-            verify_manifest(path, hashes=False)
-            return path
-        except CheckpointIntegrityError:
-            continue
-    return None
+    return next((path for _, path in reversed(list_checkpoints(root)) if is_complete(path)), None)
 
 
 def space_note(root: str | Path, previous: Path | None) -> str:

@@ -243,3 +243,20 @@ def test_config_reaches_the_tool_through_the_factory():
     assert sandbox_metrics(tools) == {"tool/unsandboxed": 0.0, "tool/sandboxed": 1.0}
     off = make_tool("python", python_sandbox="off")
     assert not off.sandboxed and off.mode == "off"
+
+
+@pytest.mark.parametrize(("timeout_s", "status"), [(2, "timeout"), (8, "ok")])
+def test_the_python_tool_takes_tools_timeout_s(timeout_s, status):
+    # A snippet sleeping 5 s: killed at tools.timeout_s=2, finished at 8 (the tool once kept its own 5 s).
+    from megatron_agent.config import load_config
+    from megatron_agent.rollout.factory import build_toolset
+
+    cfg = load_config(None, ["tools.enabled=[python]", f"tools.timeout_s={timeout_s}"], validate=False)
+    tools = build_toolset(cfg)
+    assert tools.tools["python"].timeout_s == timeout_s
+    result = run(tools.run("python", {"code": "import time\ntime.sleep(5)\nprint('slept')"}))
+    assert result.status == status, result.text
+    if status == "ok":
+        assert result.text == "slept\n"
+    else:
+        assert result.seconds < 4, result.seconds

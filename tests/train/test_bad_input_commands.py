@@ -60,6 +60,8 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     (ckpt / "model").mkdir(parents=True)
     (ckpt / "meta.json").write_text(json.dumps({"step": 2}))
     (ckpt / "model" / "weights.bin").write_bytes(b"\x01" * 64)
+    (ckpt / "trainer").mkdir()
+    (ckpt / "trainer" / "driver.json").write_text(json.dumps({"step": 2}))
     write_manifest(ckpt, fsync=False)
     paths["run_dir"], paths["ckpt"] = root / "run", ckpt
     altered = root / "altered"

@@ -15,6 +15,7 @@ import subprocess
 import pytest
 
 from megatron_agent.checkpoint.manifest import write_manifest
+from megatron_agent.errors import InputError
 from tests.conftest import REPO, quickstart_train_cmd, sigterm_after_step_1
 
 TINY = [
@@ -157,7 +158,11 @@ def test_altered_checkpoint_is_refused_and_the_previous_one_resumed_at_another_l
     assert _metric_steps(run_dir) == [0, 1, 2, 3, 4]
     assert _lrs(run_dir) == _lrs(ref_dir)
     assert _task_uids(run_dir, 4) == _task_uids(ref_dir, 4)
-    assert _checkpoints(run_dir) == ["step_000003", "step_000004"]  # the altered one replaced
+    # the altered checkpoint was moved aside, not written over: its bytes are all still there
+    damaged, *steps = _checkpoints(run_dir)
+    assert steps == ["step_000003", "step_000004"] and damaged.startswith("damaged-")
+    kept = run_dir / "checkpoints" / damaged / "step_000004" / "optim" / "__0_0.distcp"
+    assert kept.read_bytes() == bytes(data)
 
 
 # ------------------------------------------------------------------------------- driver side only
@@ -173,12 +178,12 @@ def _fake_checkpoint(root, step, *, complete=True):
     return path
 
 
-def test_rotation_never_deletes_the_only_complete_checkpoint(tmp_path):
+def test_rotation_removes_only_complete_checkpoints(tmp_path):
     from megatron_agent.train.run_state import rotate
 
     root = tmp_path / "checkpoints"
     _fake_checkpoint(root, 1)
-    _fake_checkpoint(root, 2, complete=False)  # no manifest: an interrupted save
+    _fake_checkpoint(root, 2, complete=False)  # no manifest: damaged (a save publishes it last)
     assert rotate(root, 1) == []
     assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000002"]
     c3 = _fake_checkpoint(root, 3)
@@ -187,8 +192,93 @@ def test_rotation_never_deletes_the_only_complete_checkpoint(tmp_path):
     assert [p.name for p in rotate(root, 1)] == [".step_000004.tmp-abcd1234"]
     assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000002", "step_000003"]
     _fake_checkpoint(root, 5)
-    rotate(root, 1)
-    assert sorted(p.name for p in root.iterdir()) == ["step_000005"]
+    assert [p.name for p in rotate(root, 1)] == ["step_000001"]
+    # the damaged ones stay: their intact files may be all that a user can recover
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000003", "step_000005"]
+
+
+def _tree(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _real_layout_checkpoint(root, step):
+    """A checkpoint folder with one file of each kind a run writes (contents made up)."""
+    from megatron_agent.train.run_state import step_dir
+
+    path = step_dir(root, step)
+    for rel, size in (
+        ("model/__0_0.distcp", 4096),
+        ("optim/__0_0.distcp", 8192),
+        ("trainer/worker.pt", 1536),
+    ):
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(bytes(range(256)) * (size // 256))
+    (path / "trainer" / "driver.json").write_text(json.dumps({"step": step, "history": []}))
+    (path / "meta.json").write_text(json.dumps({"step": step}))
+    write_manifest(path, fsync=False)
+    return path
+
+
+@pytest.mark.parametrize(
+    "damaged", ["model/__0_0.distcp", "optim/__0_0.distcp", "trainer/worker.pt", "manifest.json"]
+)
+def test_a_damaged_only_checkpoint_is_refused_and_left_as_it_is(tmp_path, damaged):
+    # resume=auto over a run folder whose only checkpoint fails: exit 2 before anything starts,
+    # the folder and the file named, every byte of the run folder unchanged.
+    run_dir = tmp_path / "run"
+    ckpt = _real_layout_checkpoint(run_dir / "checkpoints", 1)
+    (run_dir / "sft" / "checkpoint").mkdir(parents=True)
+    (run_dir / "sft" / "checkpoint" / "meta.json").write_text("{}")
+    bad = ckpt / damaged
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    bad.write_bytes(bytes(data))
+    before = _tree(run_dir)
+    proc = subprocess.run(
+        quickstart_train_cmd(run_dir, "sft.steps=5"),
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"{ckpt}: " in proc.stderr and "trainer.resume=never" in proc.stderr
+    if damaged != "manifest.json":
+        assert str(bad) in proc.stderr
+    assert _tree(run_dir) == before
+
+
+def test_nothing_is_written_over(tmp_path):
+    # A fresh start (resume=never) moves every step folder and an earlier SFT checkpoint aside;
+    # a resume from step 1 moves only the newer ones; no byte is lost either way.
+    from megatron_agent.config import load_config
+    from megatron_agent.train.run_state import set_aside_before_writing
+
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    for step in (1, 2, 3):
+        _real_layout_checkpoint(root, step)
+    (root / "step_000003" / "trainer" / "worker.pt").write_bytes(b"short")  # damaged
+    (run_dir / "sft" / "checkpoint").mkdir(parents=True)
+    (run_dir / "sft" / "checkpoint" / "meta.json").write_text("{}")
+    cfg = load_config(None, [f"trainer.run_dir={run_dir}", "sft.steps=5"], validate=False)
+    before = _tree(run_dir)
+
+    moved = set_aside_before_writing(cfg, 1, sft_runs=True)  # resuming from step 1
+    assert [p.parent.name.split("-")[0] + "/" + p.name for p in moved] == [
+        "previous/step_000002",
+        "damaged/step_000003",
+    ]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000001"]
+    assert (run_dir / "sft" / "checkpoint").is_dir()  # the resumed run's reference: kept in place
+
+    moved = set_aside_before_writing(cfg, None, sft_runs=True)  # a fresh start
+    assert [p.name for p in moved] == ["step_000001", "checkpoint"]
+    assert not list(root.glob("step_*")) and not (run_dir / "sft" / "checkpoint").exists()
+    after = _tree(run_dir)
+    assert sorted(before.values()) == sorted(after.values())  # every file still there, byte for byte
 
 
 def test_find_resume_modes(tmp_path, caplog):
@@ -209,7 +299,11 @@ def test_find_resume_modes(tmp_path, caplog):
     with pytest.raises(ValueError, match="model.bin"):
         find_resume(cfg)
     cfg.trainer.resume = str(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match="nope"):
+    with pytest.raises(InputError, match="nope"):
+        find_resume(cfg)
+    (root / "step_000001" / "model.bin").write_bytes(b"y" * 64)  # now none verifies
+    cfg.trainer.resume = "auto"
+    with pytest.raises(InputError, match="none of the 2 checkpoint"):
         find_resume(cfg)
 
 

@@ -17,10 +17,12 @@ def make_tool(
     python_memory_mb: int = 512,
     python_sandbox: str = "auto",
     python_max_processes: int = 16,
+    timeout_s: float = 10.0,
 ) -> Tool:
     """A tool from a built-in name or a dotted path to a `Tool` subclass (built with no arguments),
     a `Tool` instance, or a zero-argument factory returning one. `python_*`: the python tool's
-    sandbox mode (auto, strict, off), address-space limit in MiB and process limit."""
+    sandbox mode (auto, strict, off), address-space limit in MiB and process limit; `timeout_s`
+    (tools.timeout_s): the python tool's wall-clock limit, which kills its whole process tree."""
     if spec == "calculator":
         return Calculator()
     if spec == "search":
@@ -34,7 +36,12 @@ def make_tool(
     if spec == "python":
         from megatron_agent.envs.tools.python import Python
 
-        return Python(memory_mb=python_memory_mb, sandbox=python_sandbox, max_processes=python_max_processes)
+        return Python(
+            timeout_s=timeout_s,
+            memory_mb=python_memory_mb,
+            sandbox=python_sandbox,
+            max_processes=python_max_processes,
+        )
     if "." not in spec and ":" not in spec:
         raise InputError(f"unknown tool {spec!r}: use one of {BUILTIN_TOOLS} or a dotted path to a Tool")
     obj = load_object(spec)

@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from megatron_agent.platform.run_token import current_token, token_alive
 from megatron_agent.sync.buckets import SyncError
 
 TRANSPORTS = ("direct", "shm", "cuda_ipc", "nccl")
@@ -104,7 +105,8 @@ class BucketBuffer:
         elif device == "cuda":
             self.u8 = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
         elif shared:
-            self.path = os.path.join(shm_dir(), f"{SEGMENT_PREFIX}{os.getpid()}-{next(_counter)}")
+            owner = "-".join(filter(None, (current_token(), str(os.getpid()))))  # the run's token first
+            self.path = os.path.join(shm_dir(), f"{SEGMENT_PREFIX}{owner}-{next(_counter)}")
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, nbytes)
@@ -179,13 +181,20 @@ def _unlink_quietly(path: str) -> None:
 
 
 def remove_stale_segments() -> int:
-    """Unlink bucket files left in shared memory by sender processes that no longer exist; returns how many."""
+    """Unlink bucket files left in shared memory by runs whose driver is gone (named with the run
+    token: `platform/run_token.py`), or, for files without one, by sender processes that no
+    longer exist; returns how many."""
     removed = 0
     for name in os.listdir(shm_dir()):
         if not name.startswith(SEGMENT_PREFIX):
             continue
-        pid = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        owner = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
+        stale = (
+            not token_alive(owner)
+            if "." in owner
+            else owner.isdigit() and not os.path.exists(f"/proc/{owner}")
+        )
+        if stale:
             try:
                 os.unlink(os.path.join(shm_dir(), name))
                 removed += 1

@@ -41,8 +41,12 @@ def start_ray(address: str = "", num_cpus: int = 0) -> bool:
     """Start a local Ray cluster (address '') or join one; returns True when started here."""
     import ray
 
+    from megatron_agent.platform.run_token import start_reaper, sweep_dead_runs
+
     if ray.is_initialized():
         return False
+    sweep_dead_runs()  # what runs killed without their reaper left behind
+    start_reaper()  # every process started from here carries this driver's run token
     env = {"env_vars": {"PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)

@@ -26,16 +26,11 @@ from megatron_agent.platform.run_token import (
     sweep_dead_runs,
     token_alive,
 )
-from tests.conftest import REPO, quickstart_train_cmd
+from tests.conftest import REPO, TINY_SFT_RL, quickstart_train_cmd
 
 TINY = [
+    *TINY_SFT_RL,
     "sft.steps=0",
-    "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=1",
-    "rollout.n=2",
-    "rollout.max_new_tokens=16",
-    "data.num_synthetic_tasks=4",
-    "data.num_synthetic_val_tasks=2",
     "trainer.total_steps=2",
     "logging.plot=false",
     "sync.transport=shm",  # the sync's buckets live in /dev/shm segments

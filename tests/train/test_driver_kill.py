@@ -46,11 +46,14 @@ def _wait_until(condition, seconds: float) -> bool:
     return condition()
 
 
-@pytest.mark.parametrize("phase", ["rollout", pytest.param("update", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "phase",
+    ["rollout", pytest.param("update", marks=pytest.mark.slow), pytest.param("save", marks=pytest.mark.slow)],
+)
 def test_a_sigkilled_driver_leaves_no_process_and_no_segment(tmp_path, phase):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        quickstart_train_cmd(run_dir, *TINY, f"debug.hold_at={phase}:1"),
+        quickstart_train_cmd(run_dir, *TINY, "checkpoint.save_freq=1", f"debug.hold_at={phase}:1"),
         cwd=REPO,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         stdout=subprocess.DEVNULL,

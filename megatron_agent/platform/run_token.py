@@ -11,7 +11,7 @@ ended (SIGKILL included), it kills every process carrying the token and removes 
 shared-memory segments. `sweep_dead_runs()` does the same, at start-up, for the runs whose
 driver and reaper both died (leftovers are found by token, not by pid).
 
-    python -m megatron_agent.platform.run_token reap TOKEN    (what start_reaper runs)
+    python megatron_agent/platform/run_token.py reap TOKEN    (what start_reaper runs)
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ def start_reaper() -> subprocess.Popen:
     if _REAPER is None or _REAPER.poll() is not None:
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # the reaper is not one of them
         _REAPER = subprocess.Popen(
-            [sys.executable, "-m", "megatron_agent.platform.run_token", "reap", token],
+            # this file as a script: standard library only (the package would import torch)
+            [sys.executable, os.path.abspath(__file__), "reap", token],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

@@ -138,12 +138,15 @@ def set_aside(path: Path, label: str) -> Path:
 
 def set_aside_before_writing(cfg, resume_step: int | None, *, sft_runs: bool) -> list[Path]:
     """Move aside what the run would write over: the step folders newer than `resume_step` (all
-    of them on a fresh start, `resume_step` None), as `previous-*` when complete and `damaged-*`
-    otherwise, and on a fresh start that runs SFT an earlier `sft/checkpoint`. Returns the new paths."""
+    of them on a fresh start, `resume_step` None), as `damaged-*` when they failed verification
+    (or miss a file or bytes) and `previous-*` otherwise, and on a fresh start that runs SFT an earlier `sft/checkpoint`. Returns the new paths."""
     moved = []
+    # resume=auto took the newest checkpoint that verifies: every newer one failed its sha256
+    failed_newer = resume_step is not None and cfg.trainer.resume == "auto"
     for step, path in list_checkpoints(checkpoint_root(cfg)):
         if resume_step is None or step > resume_step:
-            moved.append(set_aside(path, "previous" if is_complete(path) else "damaged"))
+            damaged = failed_newer or not is_complete(path)
+            moved.append(set_aside(path, "damaged" if damaged else "previous"))
     sft = Path(cfg.trainer.run_dir) / "sft" / "checkpoint"
     if resume_step is None and sft_runs and sft.exists():
         moved.append(set_aside(sft, "previous"))

@@ -335,6 +335,7 @@ class FakeCluster:
         """Ray, `WorkerGroup`, the engine and wandb replaced by this cluster's stand-ins."""
         import ray
 
+        from megatron_agent.platform import run_token
         from megatron_agent.rollout import factory
         from megatron_agent.rollout.factory import engine_kwargs
         from megatron_agent.train import cluster, rollout_worker, trainer
@@ -350,6 +351,9 @@ class FakeCluster:
             mock.patch.object(ray, "cluster_resources", self.cluster_resources),
             mock.patch.object(trainer, "WorkerGroup", lambda *a, **k: FakeGroup(self, *a, **k)),
             mock.patch.object(cluster, "redirect_output", lambda path: None),
+            # no process of a run exists to reap or sweep (and a reaper's start-up would load the CPUs)
+            mock.patch.object(run_token, "start_reaper", lambda: None),
+            mock.patch.object(run_token, "sweep_dead_runs", lambda: []),
             mock.patch.object(factory, "build_engine", build_engine),
             mock.patch.object(rollout_worker, "config_from_dict", _config_from_dict_once),
             mock.patch.dict(os.environ),  # RolloutWorker sets TMPDIR

@@ -263,7 +263,10 @@ def test_nothing_is_written_over(tmp_path):
     (root / "step_000003" / "trainer" / "worker.pt").write_bytes(b"short")  # damaged
     (run_dir / "sft" / "checkpoint").mkdir(parents=True)
     (run_dir / "sft" / "checkpoint" / "meta.json").write_text("{}")
-    cfg = load_config(None, [f"trainer.run_dir={run_dir}", "sft.steps=5"], validate=False)
+    resume = (
+        f"trainer.resume={root / 'step_000001'}"  # an explicit resume point: newer ones are kept as previous
+    )
+    cfg = load_config(None, [f"trainer.run_dir={run_dir}", "sft.steps=5", resume], validate=False)
     before = _tree(run_dir)
 
     moved = set_aside_before_writing(cfg, 1, sft_runs=True)  # resuming from step 1

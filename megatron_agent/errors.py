@@ -8,7 +8,8 @@
 `run_command(main, argv)` runs a command's `main` and turns either kind into one line
 `error: ...` on stderr and its exit status; any other exception is a bug and keeps its
 traceback. `--debug` (or MEGATRON_AGENT_DEBUG=1) prints the traceback of expected errors too.
-This module imports nothing heavy: every command and converter starts with it.
+Also the input checks shared by the commands and the converters (flags >= 1, the torchrun
+world). This module imports nothing heavy: every command and converter starts with it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ def check_positive(flags: dict[str, int]) -> None:
     bad = [f"{flag} {value}" for flag, value in flags.items() if value < 1]
     if bad:
         raise InputError(f"{', '.join(bad)}: must be >= 1")
+
+
+def check_world_size(flags: str, model_parallel: int, relaunch: str) -> None:
+    """Raise `InputError` when tp*pp (`model_parallel`, given as `flags`) does not divide
+    torchrun's WORLD_SIZE (1 without torchrun); the message gives the `relaunch` command line."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % model_parallel:
+        launched = "one process (no torchrun)" if world == 1 else f"{world} torchrun processes"
+        raise InputError(
+            f"{flags} need a multiple of tp*pp={model_parallel} processes, but this is {launched}. "
+            f"Run: {relaunch}"
+        )
 
 
 def _is_main_rank() -> bool:

@@ -164,6 +164,7 @@ DIST_FILES = {
 }
 E2E_FILES = {
     "train/test_async.py",
+    "train/test_driver_kill.py",
     "convert/test_export_training.py",
     "gpu/test_gpu_numerics.py",
     "ops/test_hotpotqa_recipe.py",

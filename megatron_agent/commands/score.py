@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 from pathlib import Path
 
-from megatron_agent.errors import InputError, check_positive
+from megatron_agent.errors import InputError, check_positive, check_world_size
 from megatron_agent.models.hf_config import check_parallel_fit, model_arch
 
 
@@ -41,21 +40,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_world_size(tp: int, pp: int, argv: list[str]) -> None:
-    """Raise `InputError` (saying how to launch) when tp*pp does not divide torchrun's WORLD_SIZE
-    (1 without torchrun)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    model_parallel = tp * pp
-    if world % model_parallel == 0:
-        return
-    launched = "one process (no torchrun)" if world == 1 else f"{world} torchrun processes"
-    again = shlex.join(
-        ["torchrun", "--nproc_per_node", str(model_parallel), "-m", "megatron_agent", "score", *argv]
-    )
-    raise InputError(
-        f"--tp {tp} --pp {pp} need a multiple of tp*pp={model_parallel} processes, but this is {launched}. "
-        f"Run: {again}"
-    )
+def _check_world_size(tp: int, pp: int, argv: list[str]) -> None:
+    """tp*pp must divide torchrun's world; the error says how to launch `score`."""
+    again = ["torchrun", "--nproc_per_node", str(tp * pp), "-m", "megatron_agent", "score", *argv]
+    check_world_size(f"--tp {tp} --pp {pp}", tp * pp, shlex.join(again))
 
 
 def check_output(path: str | Path) -> None:
@@ -125,7 +113,7 @@ def main(argv: list[str]) -> int:
     )
     arch = model_arch(args.model, "--model")
     check_parallel_fit(arch, args.tp, args.pp)
-    check_world_size(args.tp, args.pp, argv)
+    _check_world_size(args.tp, args.pp, argv)
     sequences = read_inputs(args.data, vocab_size=arch.vocab_size, max_length=arch.max_position_embeddings)
     check_output(args.out)
 

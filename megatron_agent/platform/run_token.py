@@ -79,28 +79,23 @@ def segments_of(token: str) -> list[Path]:
     return [p for p in SHM_DIR.iterdir() if p.name.startswith(SHM_MARK) and token in p.name]
 
 
-def kill_run(token: str, grace_s: float = 2.0) -> tuple[int, int]:
-    """SIGTERM every process of `token`, SIGKILL what is left after `grace_s`, remove its segments;
-    returns (processes signalled, segments removed)."""
-    pids = processes_of(token)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while sig == signal.SIGTERM and time.monotonic() < deadline and processes_of(token):
-            time.sleep(0.1)
-        pids = processes_of(token)
-    removed = 0
-    for path in segments_of(token):
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
         try:
-            path.unlink()
-            removed += 1
-        except OSError:
+            os.kill(pid, sig)
+        except OSError:  # gone already
             pass
-    return len(pids), removed
+
+
+def kill_run(token: str, grace_s: float = 2.0) -> None:
+    """SIGTERM every process of `token`, SIGKILL what is left after `grace_s`, remove its segments."""
+    _signal(processes_of(token), signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while processes_of(token) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _signal(processes_of(token), signal.SIGKILL)
+    for path in segments_of(token):
+        path.unlink(missing_ok=True)
 
 
 def sweep_dead_runs() -> list[str]:

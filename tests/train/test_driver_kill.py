@@ -46,10 +46,8 @@ def _wait_until(condition, seconds: float) -> bool:
     return condition()
 
 
-@pytest.mark.parametrize(
-    "phase",
-    ["rollout", pytest.param("update", marks=pytest.mark.slow), pytest.param("save", marks=pytest.mark.slow)],
-)
+@pytest.mark.slow  # three trainer launches (about 50 s each on 2 cores); `make test-slow` runs them
+@pytest.mark.parametrize("phase", ["rollout", "update", "save"])
 def test_a_sigkilled_driver_leaves_no_process_and_no_segment(tmp_path, phase):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(

@@ -16,7 +16,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from megatron_agent.errors import InputError, check_positive
+from megatron_agent.errors import InputError, check_positive, check_world_size
 from megatron_agent.models.hf_config import check_parallel_fit
 
 
@@ -61,10 +61,8 @@ def check_layout(tool: str, tp: int, pp: int, vpp: int = 1, *, keep: bool, arch=
             file=sys.stderr,
         )
         return 1, 1, 1
-    launched = "one process (no torchrun)" if world == 1 else f"{world} torchrun processes"
-    raise InputError(
-        f"{flags} need a multiple of tp*pp={model_parallel} processes, but this is {launched}. Run: {again}"
-    )
+    check_world_size(flags, model_parallel, again)
+    return tp, pp, vpp
 
 
 def check_out(path: str, overwrite: bool) -> None:

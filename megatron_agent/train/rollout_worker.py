@@ -94,7 +94,7 @@ class RolloutWorker:
         sync (deterministic async runs)."""
         step = self.step if reseed is None else int(reseed[1])
         previous = self._previous if self.cfg.trainer.deterministic else None
-        coroutine = self._generate(tasks, n, greedy, step, reseed, pause_after, previous)
+        coroutine = _generate(self, tasks, n, greedy, step, reseed, pause_after, previous)
         future = asyncio.run_coroutine_threadsafe(coroutine, self.thread.loop)
         self._num_started += 1
         self._rollouts[self._num_started] = self._previous = future
@@ -103,38 +103,6 @@ class RolloutWorker:
     def collect(self, rollout_id: int) -> list:
         """The trajectories of a started rollout (waits for them)."""
         return self._rollouts.pop(rollout_id).result()
-
-    async def _generate(self, tasks, n, greedy, step, reseed, pause_after, previous) -> list:
-        if previous is not None:  # deterministic: one rollout after the other, in the order started
-            await asyncio.wait([asyncio.wrap_future(previous)])
-        config = self.loop.config
-        if reseed is not None:
-            self._seed_rngs(reseed[0])
-            if config.seed is not None:  # deterministic mode: per-request seeds of this rollout
-                config = dataclasses.replace(config, seed=reseed[0])
-        if greedy:
-            config = dataclasses.replace(config, temperature=0.0, top_p=1.0, top_k=-1)
-        if self.cfg.trainer.deterministic and hasattr(self.engine, "reset_prefix_cache"):
-            self.engine.reset_prefix_cache()  # the same (empty) cache whatever ran before
-        if not greedy:
-            self.drills.reached("rollout", step)
-        if self._active == 0 and self._last_end is not None:
-            self._idle_s += time.perf_counter() - self._last_end
-        self._active += 1
-        try:
-            if pause_after is not None:
-                self._pausing_step = step
-                self.pump.pause_after(self.pump.num_steps + pause_after)
-            with self.drills.around_rollout(self.engine, self.rank, greedy):
-                return await self.loop.run_async(tasks, n, config=config)
-        finally:
-            if pause_after is not None:
-                self.pump.pause_after(None)
-                self._pausing_step = None
-            if not greedy:
-                self._ended_step = max(self._ended_step, step)
-            self._active -= 1
-            self._last_end = time.perf_counter()
 
     def idle_seconds(self) -> float:
         """Seconds this engine ran no rollout since the last call (an async run's
@@ -178,36 +146,77 @@ class RolloutWorker:
 
     def sync_call(self, method: str, *args, **kwargs):
         """Entry point of the weight sync (see `megatron_agent.sync`), run between engine steps."""
-        return self.thread.run(self._sync_call(method, *args, **kwargs))
-
-    async def _sync_call(self, method: str, *args, **kwargs):
-        if self.receiver is None:
-            from megatron_agent.sync import WeightReceiver
-
-            self.receiver = WeightReceiver(self.engine, in_flight=self.plan.mode == "async")
-        if method in ("load_bucket", "finish") and not self._in_sync:  # a sync starts
-            await self._reach_sync_point()
-            self.pump.pause()
-            self._in_sync = True
-        result = self.receiver.handle(method, *args, **kwargs)
-        last = "probe" if self.cfg.sync.verify else "finish"
-        if self._in_sync and method == last:  # the sync is over: generation goes on
-            self._in_sync = False
-            self.pump.resume()
-        return result
-
-    async def _reach_sync_point(self) -> None:
-        """Wait until the engine is at the point `sync_point` named (at once when none was)."""
-        point, self._sync_point = self._sync_point, None
-        if point is None:
-            return
-        step, may_pause = point
-        while not (
-            self._ended_step >= step or (may_pause and self._pausing_step == step and self.pump.paused)
-        ):
-            await asyncio.sleep(0.002)  # a state that, once reached, holds until this sync
+        return self.thread.run(_sync_call(self, method, *args, **kwargs))
 
     def close(self) -> None:
         """Stop the agent loop's engine pump and the engine thread."""
         self.thread.call(self.loop.engine.close)
         self.thread.close()
+
+
+# The worker's coroutines (they run on its engine thread's event loop) are functions of the module,
+# not methods: a Ray actor class with an `async def` method becomes an asyncio actor, whose calls
+# Ray may run out of the order their caller made them; a sync's `finish` could then overtake its
+# last `load_bucket` ("buckets never reached the engine"). tests/train/test_rollout_worker_order.py.
+
+
+async def _generate(worker: RolloutWorker, tasks, n, greedy, step, reseed, pause_after, previous) -> list:
+    if previous is not None:  # deterministic: one rollout after the other, in the order started
+        await asyncio.wait([asyncio.wrap_future(previous)])
+    config = worker.loop.config
+    if reseed is not None:
+        worker._seed_rngs(reseed[0])
+        if config.seed is not None:  # deterministic mode: per-request seeds of this rollout
+            config = dataclasses.replace(config, seed=reseed[0])
+    if greedy:
+        config = dataclasses.replace(config, temperature=0.0, top_p=1.0, top_k=-1)
+    if worker.cfg.trainer.deterministic and hasattr(worker.engine, "reset_prefix_cache"):
+        worker.engine.reset_prefix_cache()  # the same (empty) cache whatever ran before
+    if not greedy:
+        worker.drills.reached("rollout", step)
+    if worker._active == 0 and worker._last_end is not None:
+        worker._idle_s += time.perf_counter() - worker._last_end
+    worker._active += 1
+    try:
+        if pause_after is not None:
+            worker._pausing_step = step
+            worker.pump.pause_after(worker.pump.num_steps + pause_after)
+        with worker.drills.around_rollout(worker.engine, worker.rank, greedy):
+            return await worker.loop.run_async(tasks, n, config=config)
+    finally:
+        if pause_after is not None:
+            worker.pump.pause_after(None)
+            worker._pausing_step = None
+        if not greedy:
+            worker._ended_step = max(worker._ended_step, step)
+        worker._active -= 1
+        worker._last_end = time.perf_counter()
+
+
+async def _sync_call(worker: RolloutWorker, method: str, *args, **kwargs):
+    if worker.receiver is None:
+        from megatron_agent.sync import WeightReceiver
+
+        worker.receiver = WeightReceiver(worker.engine, in_flight=worker.plan.mode == "async")
+    if method in ("load_bucket", "finish") and not worker._in_sync:  # a sync starts
+        await _reach_sync_point(worker)
+        worker.pump.pause()
+        worker._in_sync = True
+    result = worker.receiver.handle(method, *args, **kwargs)
+    last = "probe" if worker.cfg.sync.verify else "finish"
+    if worker._in_sync and method == last:  # the sync is over: generation goes on
+        worker._in_sync = False
+        worker.pump.resume()
+    return result
+
+
+async def _reach_sync_point(worker: RolloutWorker) -> None:
+    """Wait until the engine is at the point `sync_point` named (at once when none was)."""
+    point, worker._sync_point = worker._sync_point, None
+    if point is None:
+        return
+    step, may_pause = point
+    while not (
+        worker._ended_step >= step or (may_pause and worker._pausing_step == step and worker.pump.paused)
+    ):
+        await asyncio.sleep(0.002)  # a state that, once reached, holds until this sync

@@ -133,6 +133,7 @@ DIST_FILES = {
     "bench/test_bench_gpu_update.py",
     "bench/test_bench_rollout.py",
     "bench/test_bench_step.py",
+    "bench/test_bench_update.py",
     "convert/test_cli_defects.py",
     "convert/test_convert.py",
     "models/test_bad_inputs.py",
@@ -158,9 +159,11 @@ DIST_FILES = {
     "sync/test_sync_layouts.py",
     "sync/test_sync_ray.py",
     "train/test_cluster.py",
+    "train/test_lean_cluster.py",
     "train/test_pipeline_forward.py",
     "train/test_sft_quickstart.py",
     "train/test_sft_step.py",
+    "train/test_startup.py",
 }
 E2E_FILES = {
     "train/test_async.py",

@@ -139,6 +139,23 @@ def finish_save(
     on_rank0(finish)
 
 
+def keep_write_results_in_process() -> None:
+    """Make Megatron's checkpoint writer pass its results through an in-process queue.
+
+    Megatron's torch_dist writer collects the results of its writer threads in a global queue
+    that it creates, on first use, as a `multiprocessing.Manager().Queue()`: a spawned server
+    process (about 370 MB resident: it imports what the rank's main module imports) that lives
+    as long as the rank, for a queue that a synchronous save only uses inside this process (the
+    threads put, this process gets). Our saves are synchronous, so a `queue.Queue` serves; an
+    already created queue, or a Megatron without this global, is left as it is."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(
     ckpt_dir: str | Path,
     chunks: list,
@@ -160,6 +177,7 @@ def save_checkpoint(
     from megatron.core import parallel_state as ps
 
     extra_writers = extra_writers or {}
+    keep_write_results_in_process()
     staging = begin_save(ckpt_dir, [MODEL_DIR, *extra_writers], overwrite=overwrite)
     with discard_on_error(staging):
         dist_checkpointing.save(model_sharded_state_dict(chunks), str(staging / MODEL_DIR))

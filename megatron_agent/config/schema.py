@@ -98,8 +98,9 @@ class RolloutConfig:
     """vLLM tensor-parallel size (GPU)."""
     gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.5
     """vLLM's share of GPU memory (GPU)."""
-    kv_cache_memory_bytes: PositiveInt = 256 * 1024 * 1024
-    """vLLM KV-cache size on CPU."""
+    kv_cache_memory_bytes: NonNegativeInt = 0
+    """vLLM KV-cache size on CPU; 0: what one batch's trajectories need at full length
+    (`rollout.factory.kv_cache_bytes`)."""
     enable_sleep_mode: bool = False
     """GPU: start vLLM with sleep mode, so that `sleep()` frees its memory while the trainer runs."""
     max_trajectory_seconds: NonNegativeFloat = 0.0

@@ -159,7 +159,12 @@ def layer_spec(arch: ModelArch, impl: str):
         warnings.simplefilter("ignore")
         if impl == "te":
             return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-        return specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        spec = specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    from megatron_agent.models.sdpa_attention import SDPAttention
+
+    # the same attention through PyTorch's fused kernel (models/sdpa_attention.py)
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def num_virtual_stages(arch: ModelArch, opts: BuildOptions) -> int:

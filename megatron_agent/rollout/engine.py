@@ -76,25 +76,44 @@ class GenerationOutput:
     splits it in two versions); empty means every id has `weight_version`."""
 
 
-def _set_cpu_env(cache_dir: str | None) -> None:
-    """Environment for an in-process vLLM on CPU; values set by the user win."""
+def _set_cpu_env() -> None:
+    """Environment for an in-process vLLM on CPU; values set by the user win.
+
+    vLLM's cache stays where vLLM puts it (`VLLM_CACHE_ROOT`, by default ~/.cache/vllm): it
+    holds what vLLM learnt by inspecting model classes in a subprocess, about 6 s of every
+    engine's start when it is empty (measured with the quickstart model, 14.0 s -> 7.5 s)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if cache_dir:
-        os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(cache_dir, "vllm_cache"))
 
 
 HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 def engine_process_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Variables a process that will run a vLLM engine on CPU must start with (glibc reads them at exec).
+    """Variables a process that will run a vLLM engine on CPU must start with: `huge_pages_env`,
+    and `TORCHDYNAMO_DISABLE=1`. vLLM compiles a few helpers with `torch.compile` even in eager
+    mode (the sampler's log-prob gather): on CPU the compile ran at the engine's first request,
+    2.4-2.7 s of the quickstart's first weight sync (its probe), for no measurable gain after
+    (the probe: 2.68 s -> 0.03 s on its first call, 0.02 s -> 0.01 s after). Empty on GPU; a
+    value the user set wins."""
+    if torch.cuda.is_available():
+        return {}
+    environ = os.environ if environ is None else environ
+    env = huge_pages_env(environ)
+    if "TORCHDYNAMO_DISABLE" not in environ:
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    return env
+
+
+def huge_pages_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """`GLIBC_TUNABLES` for a CPU worker process (glibc reads it at exec).
 
     `glibc.malloc.hugetlb=1`: malloc's large blocks get transparent huge pages. vLLM on CPU keeps
     each linear weight as a oneDNN-packed copy in fresh memory, rebuilt at every weight load;
     on 4 KiB pages, faulting that memory in cost more than the repack itself (a 32000 x 768
     output layer: 57 ms on 4 KiB pages, 24 ms with huge pages; the weight sync benchmark's engine
-    load 0.16-0.20 s -> 0.11-0.12 s). Empty on GPU, or when GLIBC_TUNABLES already sets it (the user's
-    choice wins); older glibc ignores the tunable."""
+    load 0.16-0.20 s -> 0.11-0.12 s). A Megatron rank's update allocates its activations afresh
+    at every step: the quickstart's update took 0.27 s instead of 0.29 s. Empty on GPU, or when
+    GLIBC_TUNABLES already sets it (the user's choice wins); older glibc ignores the tunable."""
     if torch.cuda.is_available():
         return {}
     current = (os.environ if environ is None else environ).get("GLIBC_TUNABLES", "")
@@ -167,7 +186,7 @@ class VLLMEngine:
                 model_path, quantization, fp8_scales, dtype, cache_dir
             )
         if not on_gpu:
-            _set_cpu_env(cache_dir)
+            _set_cpu_env()
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(

@@ -38,11 +38,38 @@ def engine_kwargs(cfg: Config, cache_dir: str | None = None, logits_processors=(
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: choose one of {ENGINES}")
 
 
+KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MIN_KV_CACHE_BYTES = 16 << 20
+
+
+def kv_cache_bytes(cfg: Config, model_path: str) -> int:
+    """The KV cache of one CPU engine: `rollout.kv_cache_memory_bytes`, or when that is 0 what the
+    trajectories one engine holds at once need at full length: min(`rollout.max_in_flight`,
+    one batch's trajectories (`data.train_batch_size` x `rollout.n`, x (eta + 1) in async mode,
+    where that many batches may generate at once)) / `rollout.num_engines`, each of
+    `rollout.max_total_tokens` tokens, at layers x 2 x KV heads x head dim x dtype bytes per token,
+    plus a quarter for vLLM's block rounding (at least 16 MiB). More trajectories than that
+    (a large validation set) are queued or preempted by vLLM, not refused. The cache is memory
+    written at the engine's start: the quickstart needs 80 MiB of it, not 256."""
+    r = cfg.rollout
+    if r.kv_cache_memory_bytes:
+        return r.kv_cache_memory_bytes
+    from megatron_agent.models.hf_config import arch_from_hf_config, load_hf_config
+
+    arch = arch_from_hf_config(load_hf_config(model_path))
+    per_token = arch.num_layers * 2 * arch.num_query_groups * arch.head_dim * KV_DTYPE_BYTES[cfg.model.dtype]
+    stages = cfg.async_.max_staleness + 1 if cfg.trainer.mode == "async" else 1
+    trajectories = min(r.max_in_flight, cfg.data.train_batch_size * r.n * stages)
+    per_engine = -(-trajectories // r.num_engines)
+    return max(MIN_KV_CACHE_BYTES, per_engine * r.max_total_tokens * per_token * 5 // 4)
+
+
 def build_engine(cfg: Config, model_path: str, cache_dir: str | None = None, logits_processors=()):
     """The rollout engine named by `cfg.rollout.engine` on the HF folder `model_path` (vLLM gets
     the V1 `logits_processors` classes, e.g. for a scripted first turn)."""
     kwargs = engine_kwargs(cfg, cache_dir, logits_processors)
     if cfg.rollout.engine == "vllm":
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, model_path)
         from megatron_agent.rollout.engine import VLLMEngine
 
         return VLLMEngine(model_path, **kwargs)

@@ -1,7 +1,7 @@
 """The Ray cluster and groups of worker actors: start or join, place, call, fail loudly.
 
 `ray_cluster` (a context manager; its owner is the run, `train/run.py`, or a test) starts a local
-cluster sized to the machine (dashboard off) or joins an existing one (`ray.address=auto` or
+cluster sized to the machine (lean: no dashboard frontend, monitors or prestarted workers) or joins an existing one (`ray.address=auto` or
 `HOST:PORT`, how multi-node runs under Slurm work), and stops what it started. `WorkerGroup` creates
 N actors of one class inside a placement group, each writing its stdout/stderr to
 `<run_dir>/logs/<name>_<rank>.log`, and `call` runs one method on all of them: a worker that
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -37,43 +38,147 @@ class WorkerDiedError(WorkerError):
         self.rank, self.pid = rank, pid
 
 
+# A local run has no use for Ray's idle-worker prestart (its actors bring their own environment
+# variables, so a prestarted default worker is never reused), its log monitor (worker output goes
+# to the run's log files, `log_to_driver=False`) or its autoscaler monitor (one node, no scaling).
+LEAN_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+_local_node = None  # the lean local cluster's node (`start_local_node`), stopped by `stop_ray`
+
+
+RAY_ENV = {"env_vars": {"PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}}
+
+
+class RayStart:
+    """Ray's start for one driver, begun on a background thread (`begin`) so that the driver's own
+    start-up (its base model, tokenizer and tasks) overlaps it, and finished by `join`, which
+    connects this process. `start_ray` does both at once.
+
+    The thread sweeps what dead runs left behind, starts this run's reaper (every process started
+    from then on carries the driver's run token) and, for a local cluster (address ''), starts
+    its node (`start_local_node`); joining an existing cluster (`ray.address`) happens in `join`."""
+
+    def __init__(self, address: str = "", num_cpus: int = 0):
+        self.address, self.num_cpus = address, num_cpus
+        self.seconds = 0.0  # how long the background part took
+        self._local: str | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def begin(self) -> RayStart:
+        """Start the background part (a no-op when this process is connected already)."""
+        import ray
+
+        if not ray.is_initialized():
+            self._thread = threading.Thread(target=self._prepare, name="ray-start", daemon=True)
+            self._thread.start()
+        return self
+
+    def join(self) -> bool:
+        """Wait for the background part and connect; True when a local cluster was started here."""
+        import ray
+
+        if self._thread is None:  # connected already (a test's cluster, or a second start)
+            return False
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            raise self._error
+        if self.address:
+            try:
+                ray.init(address=self.address, runtime_env=RAY_ENV, log_to_driver=False)
+            except (ConnectionError, RuntimeError, TimeoutError) as exc:
+                raise WorkerError(
+                    f"could not join the Ray cluster at ray.address={self.address!r}: {exc} (is it "
+                    "running, and reachable from this node? `ray status` on its head node says)"
+                ) from None
+            return False
+        if self._local is not None:
+            ray.init(address=self._local, runtime_env=RAY_ENV, log_to_driver=False, configure_logging=False)
+            return True
+        ray.init(  # this Ray's node API did not take the lean settings: ray.init's own cluster
+            num_cpus=self.num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            runtime_env=RAY_ENV,
+            log_to_driver=False,
+            configure_logging=False,
+            _system_config=LEAN_SYSTEM_CONFIG,
+        )
+        return True
+
+    def cancel(self) -> None:
+        """Undo a begun start that will not be joined (bad input found meanwhile)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            stop_ray()
+
+    def _prepare(self) -> None:
+        from megatron_agent.platform.run_token import start_reaper, sweep_dead_runs
+
+        begin = time.perf_counter()
+        try:
+            sweep_dead_runs()  # what runs killed without their reaper left behind
+            start_reaper()  # every process started from here carries this driver's run token
+            if not self.address:
+                self._local = start_local_node(self.num_cpus or os.cpu_count() or 1)
+        except BaseException as exc:  # noqa: BLE001 - raised again by join()
+            self._error = exc
+        self.seconds = time.perf_counter() - begin
+
+
 def start_ray(address: str = "", num_cpus: int = 0) -> bool:
-    """Start a local Ray cluster (address '') or join one; returns True when started here."""
-    import ray
+    """Start a local Ray cluster (address '') or join one; returns True when started here.
 
-    from megatron_agent.platform.run_token import start_reaper, sweep_dead_runs
+    The local cluster is lean (`start_local_node`): the dashboard's web frontend, the log monitor,
+    the autoscaler monitor and prestarted idle workers are off; actors, placement groups, the
+    object store, runtime environments and death detection (what a run uses) are all there."""
+    return RayStart(address, num_cpus).begin().join()
 
-    if ray.is_initialized():
-        return False
-    sweep_dead_runs()  # what runs killed without their reaper left behind
-    start_reaper()  # every process started from here carries this driver's run token
-    env = {"env_vars": {"PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}}
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
-        return False
-    ray.init(
-        num_cpus=num_cpus or os.cpu_count(),
-        include_dashboard=False,
-        runtime_env=env,
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    return True
+
+def start_local_node(num_cpus: int) -> str | None:
+    """Start a lean one-node Ray cluster for this process; returns its address, or None when this
+    Ray version's node API does not take these settings (then `ray.init` starts a full one).
+
+    `ray.init` always starts a log monitor and an autoscaler monitor with a local cluster; Ray's
+    node API (what `ray.init` calls, and `ray start` exposes as --no-monitor and
+    --include-log-monitor) can leave them out. Ray's own reaper is not started either: the run's
+    reaper (`platform/run_token.py`) ends every process of the run once the driver is gone."""
+    global _local_node
+    try:
+        from ray._private.node import Node
+        from ray._private.parameter import RayParams
+
+        params = RayParams(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            include_log_monitor=False,
+            no_monitor=True,
+            _system_config=dict(LEAN_SYSTEM_CONFIG),
+        )
+    except (ImportError, TypeError):  # another Ray version: ray.init's full cluster
+        return None
+    _local_node = Node(params, head=True, shutdown_at_exit=False, spawn_reaper=False, ray_init_cluster=True)
+    return _local_node.address
 
 
 def stop_ray() -> None:
     """Shut down this process's connection (and a local cluster it started)."""
     import ray
 
+    global _local_node
     if ray.is_initialized():
         ray.shutdown()
+    if _local_node is not None:
+        node, _local_node = _local_node, None
+        node.kill_all_processes(check_alive=False, allow_graceful=True)
 
 
 @contextlib.contextmanager
-def ray_cluster(address: str = "", num_cpus: int = 0) -> Iterator[bool]:
+def ray_cluster(address: str = "", num_cpus: int = 0, begun: RayStart | None = None) -> Iterator[bool]:
     """Ray for the duration of a block: a local cluster started (address '') or one joined; shut
-    down at exit when this block started the connection. Yields whether it started it."""
-    started = start_ray(address, num_cpus)
+    down at exit when this block started the connection. Yields whether it started it.
+    `begun`: a `RayStart` begun earlier for this address (it is joined here)."""
+    started = (begun or RayStart(address, num_cpus).begin()).join()
     try:
         yield started
     finally:
@@ -262,6 +367,46 @@ class GroupCall:
     def result(self) -> list[Any]:
         """The results in rank order; raises `WorkerError` naming a failed or late worker."""
         return self.group.wait(self.refs, self.ranks, self.method, self.timeout_s)
+
+
+def finish_together(calls: dict[str, GroupCall]) -> dict[str, float]:
+    """Wait for several group calls started together (e.g. the Megatron ranks' set-up and the
+    engines' start); returns when each finished (`time.perf_counter()`, by name). The first call
+    to fail, or not to finish within its group's timeout, raises its `WorkerError`, naming the
+    worker (the others are left running: their owner kills them)."""
+    import ray
+
+    start = time.monotonic()
+    deadlines = {
+        name: start + (call.group.timeout_s if call.timeout_s is None else call.timeout_s)
+        for name, call in calls.items()
+    }
+    pending = {name: set(call.refs) for name, call in calls.items()}
+    done_at: dict[str, float] = {}
+    while pending:
+        now = time.monotonic()
+        for name in pending:
+            if now >= deadlines[name]:
+                call = calls[name]
+                ranks = [rank for ref, rank in zip(call.refs, call.ranks) if ref in pending[name]]
+                raise call.group._error(
+                    ranks, f"did not finish {call.method}() within {deadlines[name] - start:.0f} s"
+                )
+        remaining = min(deadlines[name] for name in pending) - now
+        waiting = [ref for refs in pending.values() for ref in refs]
+        ready, _ = ray.wait(waiting, num_returns=1, timeout=min(remaining, 5.0))
+        for ref in ready:
+            name = next(n for n, refs in pending.items() if ref in refs)
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - the call's own wait turns it into a WorkerError
+                calls[name].result()
+                raise
+            pending[name].discard(ref)
+            if not pending[name]:
+                del pending[name]
+                done_at[name] = time.perf_counter()
+    return done_at
 
 
 def _short(exc: BaseException) -> str:

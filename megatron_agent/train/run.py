@@ -64,8 +64,14 @@ class Run:
 
     def __init__(self, cfg: Config):
         """`cfg`: a loaded config (`load_config` validated it); its plan is made here, once."""
+        from megatron_agent.train.startup import StartupClock
+
         self.cfg = cfg
         self.plan = make_plan(cfg)
+        self.startup = StartupClock()  # timing_s/startup/*: what the start-up spent its time on
+        self.memory = None  # the process tree's memory sampler while workers run (_with_workers)
+        self.ray_start = None  # Ray's start, begun once the inputs are checked (`_trainer`)
+        self.first_step_at: float | None = None  # seconds from the process's start to the first step
 
     # ----------------------------------------------------------------------------- entry points
     def train(self) -> int:
@@ -73,6 +79,7 @@ class Run:
         from megatron_agent.train.run_state import find_resume, resolve_ref_from, set_aside_before_writing
         from megatron_agent.train.signals import StopRequest
 
+        inputs_start = time.perf_counter()
         try:  # first: a run folder whose checkpoints all fail is refused before anything is written
             resume_dir, state = find_resume(self.cfg)
         except BAD_INPUT as exc:
@@ -87,18 +94,23 @@ class Run:
         trainer = self._trainer(sft=self._sft_runs())
         if trainer is None:
             return 2
+        self.startup.add("inputs", time.perf_counter() - inputs_start)
         try:
             if state is not None and state.get("ref_from"):  # stored relative to the run folder
                 state["ref_from"] = str(resolve_ref_from(state["ref_from"], trainer.run_dir, resume_dir))
             pipeline = async_pipeline(trainer, state)
-        except BAD_INPUT as exc:
-            return _error(exc, 2)
-        if not _versions_ok():
-            return 2
-        # what this run would write over is moved aside, never overwritten
-        set_aside_before_writing(
-            self.cfg, None if state is None else state["step"], sft_runs=self._sft_runs()
-        )
+            if not _versions_ok():
+                self.ray_start.cancel()
+                return 2
+            # what this run would write over is moved aside, never overwritten
+            set_aside_before_writing(
+                self.cfg, None if state is None else state["step"], sft_runs=self._sft_runs()
+            )
+        except BaseException as exc:
+            self.ray_start.cancel()  # begun in `_trainer`: stopped, not left running
+            if isinstance(exc, BAD_INPUT):
+                return _error(exc, 2)
+            raise
         with StopRequest() as stop:
             return self._with_workers(
                 trainer, stop, lambda log: self._rl(trainer, log, stop, resume_dir, state, pipeline)
@@ -131,12 +143,21 @@ class Run:
     def _trainer(self, *, sft: bool):
         """The driver's `Trainer` (tasks loaded, base model made), after the inputs that only the
         workers would read are checked: all before Ray or any worker starts. None: bad input."""
-        from megatron_agent.train.trainer import Trainer
+        from megatron_agent.train.cluster import RayStart
+        from megatron_agent.train.trainer import Trainer, read_task_files
 
         try:
             check_inputs_up_front(self.cfg, sft=sft)
-            return Trainer(self.cfg, self.plan)
+            task_files = read_task_files(self.cfg)
         except BAD_INPUT as exc:
+            _error(exc, 2)
+            return None
+        # Ray starts in the background while the driver makes its base model, tokenizer and tasks
+        self.ray_start = RayStart(self.cfg.ray.address, self.cfg.ray.num_cpus).begin()
+        try:
+            return Trainer(self.cfg, self.plan, task_files)
+        except BAD_INPUT as exc:
+            self.ray_start.cancel()
             _error(exc, 2)
             return None
 
@@ -147,21 +168,29 @@ class Run:
 
         from megatron_agent.config import config_to_dict
         from megatron_agent.config.validate import check_cluster_gpus
+        from megatron_agent.platform.tree_memory import TreeMemory
         from megatron_agent.train.checkpointer import SaveError
         from megatron_agent.train.cluster import WorkerError, ray_cluster
         from megatron_agent.train.run_log import RunLogger
 
         cfg = self.cfg
         run_log = RunLogger(trainer.run_dir, cfg.logging, config_dict=config_to_dict(cfg))
+        self.memory = TreeMemory().start()
+        wait_start = time.perf_counter()
         try:
             # ray.init installs Ray's own SIGTERM handler (a crash report): Ray first, then ours.
-            with ray_cluster(cfg.ray.address, cfg.ray.num_cpus):
+            with ray_cluster(cfg.ray.address, cfg.ray.num_cpus, begun=self.ray_start):
+                self.startup.add("wait_ray", time.perf_counter() - wait_start)
+                if self.ray_start is not None:
+                    self.startup.add("ray", self.ray_start.seconds)
                 if cfg.ray.address:  # a joined cluster: GPU-only settings need its GPUs
                     check_cluster_gpus(cfg, ray.cluster_resources().get("GPU", 0))
                 if stop is not None:
                     stop.install()
                 try:
-                    trainer.start(engines=engines)
+                    with self.startup.phase("workers"):
+                        for kind, seconds in trainer.start(engines=engines).items():
+                            self.startup.add(kind, seconds)
                     return body(run_log)
                 finally:
                     trainer.close()
@@ -171,6 +200,33 @@ class Run:
             return _error(exc, 1)
         finally:
             run_log.close()
+            self._report_performance(trainer.run_dir)
+
+    def _started(self) -> dict[str, float]:
+        """The start-up is over (the first step begins): its line in the log, its metrics."""
+        metrics = self.startup.metrics()
+        self.first_step_at = metrics["timing_s/startup/total"]
+        logger.info("%s", self.startup.line())
+        return metrics
+
+    def _report_performance(self, run_dir: Path) -> None:
+        """At exit: the peak memory of the run's process tree, printed and written to perf.json
+        with the start-up's phases."""
+        import json
+
+        memory = self.memory.stop()
+        logger.info(
+            "peak memory of the run's processes: %.2f GB resident, summed over %d processes (%.2f GB "
+            "with shared pages counted once)",
+            memory["perf/peak_rss_sum_gb"],
+            memory["perf/peak_processes"],
+            memory["perf/peak_pss_sum_gb"],
+        )
+        perf = {k: v for k, v in self.startup.metrics().items() if k != "timing_s/startup/total"}
+        if self.first_step_at is not None:  # an RL run's first step began
+            perf["timing_s/startup/total"] = self.first_step_at
+        perf.update(memory)
+        (run_dir / "perf.json").write_text(json.dumps(perf, indent=1) + "\n")
 
     # ----------------------------------------------------------------------------- RL
     def _rl(self, trainer, run_log, stop, resume_dir: Path | None, state: dict | None, pipeline) -> int:
@@ -193,6 +249,7 @@ class Run:
             if validator.due(step):
                 metrics.update(validator())
             metrics["checkpoint/save_errors"] = float(saver.num_errors)
+            metrics.update(self.memory.metrics())  # perf/peak_*: the process tree's peak so far
             run_log.log(step, metrics)
             done = step
             if saver.due(step) and not stop.requested:
@@ -213,20 +270,25 @@ class Run:
         from megatron_agent.train.sft_run import run_sft
 
         if self._sft_runs():
-            ckpt = run_sft(trainer, run_log, trainer.run_dir / "sft" / "checkpoint")
-            logger.info("SFT checkpoint: %s", ckpt)
-            self._restart_actors_from(trainer, str(ckpt))
+            with self.startup.phase("sft"):
+                ckpt = run_sft(trainer, run_log, trainer.run_dir / "sft" / "checkpoint")
+                logger.info("SFT checkpoint: %s", ckpt)
+                self._restart_actors_from(trainer, str(ckpt))
             saver.ref_from = str(ckpt)
-        trainer.make_update(self.plan.total_optimizer_steps)
-        first = trainer.sync()
+        with self.startup.phase("first_sync"):
+            trainer.make_update(self.plan.total_optimizer_steps)
+            first = trainer.sync()
+        with self.startup.phase("validation"):
+            validation = validator() if validator.due(0) else {}
         skipped = {"data/skipped_rows": float(trainer.num_skipped_rows)}
-        run_log.log(0, {**first, **(validator() if validator.due(0) else {}), **skipped})
+        run_log.log(0, {**first, **validation, **skipped, **self._started(), **self.memory.metrics()})
         return 0
 
     def _resume(self, trainer, run_log, saver, resume_dir: Path, state: dict) -> int:
         """Restore the workers and the driver from `resume_dir`; returns the step it holds."""
         from megatron_agent.train.run_state import restore_driver_state
 
+        resume_start = time.perf_counter()
         saver.ref_from = state.get("ref_from", "")
         if saver.ref_from:  # the reference is the SFT result: load it before the actor's state
             self._restart_actors_from(trainer, saver.ref_from)
@@ -237,6 +299,8 @@ class Run:
         saver.num_errors = int(state["history"][-1].get("checkpoint/save_errors", 0))
         trainer.actor_version = done + 1  # as if steps 1..done had synced (the sync labels it)
         trainer.sync()
+        self.startup.add("resume", time.perf_counter() - resume_start)
+        self._started()
         print(f"resumed from {resume_dir} (step {done}); continuing at step {done + 1}")
         return done
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -57,17 +58,34 @@ def kl_controller(cfg: Config):
     return make_kl_controller(a.kl_ctrl, a.kl_reward_coef, target_kl=a.kl_target, horizon=a.kl_horizon)
 
 
+def read_task_files(cfg: Config) -> tuple[tuple[list[Task] | None, int], tuple[list[Task] | None, int]]:
+    """((train tasks, bad rows skipped), (validation tasks, skipped)) of `data.train_path` and
+    `data.val_path`; (None, 0) for an empty path (synthetic tasks). A file without a usable task
+    is a `ConfigError` naming it."""
+    from megatron_agent.data.tasks import load_tasks
+
+    def read(path: str) -> tuple[list[Task] | None, int]:
+        if not path:
+            return None, 0
+        tasks, num_skipped = load_tasks(path)
+        if not tasks:
+            raise ConfigError(f"no usable tasks in {path} ({num_skipped} skipped, each named above)")
+        return tasks, num_skipped
+
+    return read(cfg.data.train_path), read(cfg.data.val_path)
+
+
 class Trainer:
     """Owns the worker groups and the data of one run."""
 
-    def __init__(self, cfg: Config, plan: RunPlan | None = None):
-        """`cfg`: a loaded (validated) config; `plan`: its `make_plan(cfg)` (made here if None)."""
+    def __init__(self, cfg: Config, plan: RunPlan | None = None, task_files: tuple | None = None):
+        """`cfg`: a loaded (validated) config; `plan`: its `make_plan(cfg)` (made here if None);
+        `task_files`: what `read_task_files(cfg)` returned (read here if None)."""
         self.cfg = cfg
         self.plan = plan = plan or make_plan(cfg)
         self.run_dir = Path(plan.run_dir)
         # the task files first: a bad one is refused before anything is written to the run folder
-        train_tasks, num_skipped = self._read_tasks(cfg.data.train_path)
-        val_tasks, num_val_skipped = self._read_tasks(cfg.data.val_path)
+        (train_tasks, num_skipped), (val_tasks, num_val_skipped) = task_files or read_task_files(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_path = make_base_model(cfg, plan)
         from transformers import AutoTokenizer
@@ -91,22 +109,10 @@ class Trainer:
         self._last_sync: dict = {}  # the latest sync's metrics
 
     # ----------------------------------------------------------------------------- data
-    @staticmethod
-    def _read_tasks(path: str) -> tuple[list[Task] | None, int]:
-        """(tasks, bad rows skipped) of a task file; (None, 0) when `path` is empty (synthetic)."""
-        from megatron_agent.data.tasks import load_tasks
-
-        if not path:
-            return None, 0
-        tasks, num_skipped = load_tasks(path)
-        if not tasks:
-            raise ConfigError(f"no usable tasks in {path} ({num_skipped} skipped, each named above)")
-        return tasks, num_skipped
-
     def _load_tasks(
         self, path: str, seed: int, tasks: list[Task] | None, num_skipped: int, validation: bool = False
     ) -> tuple[list[Task], int]:
-        """The tasks read from `path` (`_read_tasks`), or synthetic ones when None, without those
+        """The tasks read from `path` (`read_task_files`), or synthetic ones when None, without those
         whose prompt exceeds data.max_prompt_length."""
         d = self.cfg.data
         if tasks is None:
@@ -146,25 +152,35 @@ class Trainer:
         return len(self._chat.prompt_ids(task.messages, self._toolset.schemas(task.tools)))
 
     # ----------------------------------------------------------------------------- workers
-    def start(self, engines: bool = True, actor_cls: type | None = None) -> None:
+    def start(
+        self, engines: bool = True, actor_cls: type | None = None, engine_cls: type | None = None
+    ) -> dict[str, float]:
         """Start the Megatron world and (unless `engines=False`) the rollout engines on the Ray
-        cluster of this process (started by the run's owner). `actor_cls`: a subclass of
-        `MegatronWorker` for the ranks (tests add their RPCs that way)."""
+        cluster of this process (started by the run's owner), at the same time: the engines build
+        vLLM while the ranks join torch.distributed and build their models. `actor_cls`: a
+        subclass of `MegatronWorker` for the ranks (tests add their RPCs that way); `engine_cls`:
+        a subclass of `RolloutWorker` for the engines (likewise).
+
+        Returns the seconds from the start until each kind was ready ({"megatron": s, "engines": s});
+        a worker that fails to start raises a `WorkerError` naming it (its kind and rank)."""
         import ray
 
-        from megatron_agent.rollout.engine import engine_process_env
+        from megatron_agent.rollout.engine import engine_process_env, huge_pages_env
+        from megatron_agent.train.cluster import finish_together
         from megatron_agent.train.megatron_worker import MegatronWorker
         from megatron_agent.train.rollout_worker import RolloutWorker
 
         cfg = self.cfg
         if not ray.is_initialized():
             raise RuntimeError("Trainer.start() needs a Ray cluster: start it with train.cluster.ray_cluster")
+        begin = time.perf_counter()
         cfg_dict, plan_dict = config_to_dict(cfg), self.plan.to_dict()
         world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
         on_gpu = torch.cuda.is_available()
         log_dir = self.run_dir / "logs"
         timeout = cfg.trainer.worker_timeout_s
-        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))} if not on_gpu else {}
+        # huge pages for malloc's large blocks, as the engines (`huge_pages_env` has the numbers)
+        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)), **huge_pages_env()}
         self.actors = WorkerGroup(
             actor_cls or MegatronWorker,
             world,
@@ -174,30 +190,34 @@ class Trainer:
             num_gpus=1 if on_gpu else 0,
             init_args=(cfg_dict, plan_dict),
             timeout_s=timeout,
-            env_vars=env,
+            env_vars=env if not on_gpu else {},
         )
+        if engines:
+            engine_env = engine_process_env()
+            if self.plan.mode == "async":
+                # The engine core in the engine's process on GPU too: a sync then stops it exactly
+                # between two steps (a separate core process runs ahead of the steps we see).
+                engine_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            self.engines = WorkerGroup(
+                engine_cls or RolloutWorker,
+                cfg.rollout.num_engines,
+                name="rollout",
+                log_dir=log_dir,
+                num_cpus=0,
+                num_gpus=cfg.rollout.tp if on_gpu and not cfg.rollout.colocate else 0,
+                init_args=(cfg_dict, plan_dict),
+                timeout_s=timeout,
+                env_vars=engine_env,
+            )
         host, port = self.actors.call("rendezvous_address", ranks=[0])[0]
-        self.infos = self.actors.call("setup", host, port, cfg.trainer.init_from)
-        if not engines:
-            return
-        engine_env = engine_process_env()
-        if self.plan.mode == "async":
-            # The engine core in the engine's process on GPU too: a sync then stops it exactly
-            # between two steps (a separate core process runs ahead of the steps we see).
-            engine_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.engines = WorkerGroup(
-            RolloutWorker,
-            cfg.rollout.num_engines,
-            name="rollout",
-            log_dir=log_dir,
-            num_cpus=0,
-            num_gpus=cfg.rollout.tp if on_gpu and not cfg.rollout.colocate else 0,
-            init_args=(cfg_dict, plan_dict),
-            timeout_s=timeout,
-            env_vars=engine_env,
-        )
-        self.engines.call("ping")
-        self.actors.call("connect_engines", self.engines.workers)
+        calls = {"megatron": self.actors.submit("setup", host, port, cfg.trainer.init_from)}
+        if engines:
+            calls["engines"] = self.engines.submit("ping")  # answered once vLLM is built
+        ready = finish_together(calls)
+        self.infos = calls["megatron"].result()
+        if engines:
+            self.actors.call("connect_engines", self.engines.workers)
+        return {name: at - begin for name, at in ready.items()}
 
     def make_update(self, total_optimizer_steps: int) -> None:
         """Create the PPO update (guard, LR schedule) on every rank."""

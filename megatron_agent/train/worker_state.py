@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_agent.checkpoint.model_io import model_sharded_state_dict
+from megatron_agent.checkpoint.model_io import keep_write_results_in_process, model_sharded_state_dict
 
 logger = logging.getLogger("megatron_agent.train")
 
@@ -25,6 +25,7 @@ def save_optimizer(model, folder: Path) -> None:
     """Collective: the optimizer state of `model` (a trainable `MegatronModel`) into `folder`."""
     from megatron.core import dist_checkpointing
 
+    keep_write_results_in_process()
     sharded = model.optimizer.sharded_state_dict(
         model_sharded_state_dict(model.chunks), is_loading=False, metadata=OPTIM_METADATA
     )

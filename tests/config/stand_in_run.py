@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import sys
+import time
 import types
 import zlib
 from pathlib import Path
@@ -165,7 +166,7 @@ class FakeEngine:
         self.cluster, self.kwargs = cluster, kwargs
         self.weight_version, self._queue, self._count = 0, [], 0
         procs = [c.__name__ for c in kwargs.get("logits_processors", ())]
-        cluster.record("engine", "start", {**kwargs, "logits_processors": procs})
+        cluster.record_engine("engine", "start", {**kwargs, "logits_processors": procs})
 
     @property
     def eos_token_id(self):
@@ -173,7 +174,7 @@ class FakeEngine:
 
     def add_request(self, prompt_ids, sampling):
         self._count += 1
-        self.cluster.record("engine", "request", len(prompt_ids), dataclasses.asdict(sampling))
+        self.cluster.record_engine("engine", "request", len(prompt_ids), dataclasses.asdict(sampling))
         self._queue.append((f"r{self._count}", list(prompt_ids), sampling))
         return f"r{self._count}"
 
@@ -213,7 +214,7 @@ class FakeEngine:
         return bool(self._queue)
 
     def reset_prefix_cache(self):
-        self.cluster.record("engine", "reset_prefix_cache")
+        self.cluster.record_engine("engine", "reset_prefix_cache")
 
 
 class _Done:
@@ -270,6 +271,15 @@ class FakeGroup:
         self.cluster.record(self.name, "kill")
 
 
+def _finish_together(calls: dict) -> dict[str, float]:
+    """`cluster.finish_together` for `FakeGroup` calls (done already): their results, in order."""
+    done = {}
+    for name, call in calls.items():
+        call.result()
+        done[name] = time.perf_counter()
+    return done
+
+
 _CONFIGS: dict[str, Config] = {}
 
 
@@ -289,10 +299,16 @@ class FakeCluster:
 
     def __init__(self):
         self.calls: list = []
+        self.engine_calls: list = []  # the engine's own, in its thread's order
         self.initialized = False
 
     def record(self, *what):
         self.calls.append(_summary(what))
+
+    def record_engine(self, *what):
+        """A call on the engine: it runs on the engine's thread, whose order relative to the
+        driver's calls varies from run to run; its own order does not."""
+        self.engine_calls.append(_summary(what))
 
     # the functions of `ray` the driver calls
     def init(self, **kwargs):
@@ -354,6 +370,8 @@ class FakeCluster:
             # no process of a run exists to reap or sweep (and a reaper's start-up would load the CPUs)
             mock.patch.object(run_token, "start_reaper", lambda: None),
             mock.patch.object(run_token, "sweep_dead_runs", lambda: []),
+            mock.patch.object(cluster, "start_local_node", lambda num_cpus: None),  # ray.init's path
+            mock.patch.object(cluster, "finish_together", _finish_together),
             mock.patch.object(factory, "build_engine", build_engine),
             mock.patch.object(rollout_worker, "config_from_dict", _config_from_dict_once),
             mock.patch.dict(os.environ),  # RolloutWorker sets TMPDIR
@@ -482,6 +500,7 @@ def run_effects(cfg, env) -> dict:
     return {
         "status": status,
         "calls": fake.calls,
+        "engine_calls": fake.engine_calls,
         "metrics": _summary(read_metrics(metrics_path)) if metrics_path.exists() else None,
         "files": _files(Path.cwd()),
         "stdout": [line for line in out.getvalue().splitlines() if not table.match(line)],

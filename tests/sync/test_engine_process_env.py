@@ -1,5 +1,6 @@
 """An engine process on CPU starts with malloc on huge pages (glibc reads its tunables at exec, so
-the variable must be in the environment the process starts with, not set inside it)."""
+the variable must be in the environment the process starts with, not set inside it) and with
+torch.compile off (vLLM's compiled sampler helpers cost seconds at the first request)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import pytest
 import torch
 
-from megatron_agent.rollout.engine import HUGE_PAGE_TUNABLE, engine_process_env
+from megatron_agent.rollout.engine import HUGE_PAGE_TUNABLE, engine_process_env, huge_pages_env
 from megatron_agent.sync import SubprocessEndpoint
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine's environment")
@@ -22,10 +23,15 @@ class IdleEngine:
 
 
 def test_tunable_is_added_and_a_users_setting_wins():
-    assert engine_process_env({}) == {"GLIBC_TUNABLES": HUGE_PAGE_TUNABLE}
-    merged = engine_process_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert huge_pages_env({}) == {"GLIBC_TUNABLES": HUGE_PAGE_TUNABLE}
+    merged = huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
     assert merged == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGE_PAGE_TUNABLE}"}
-    assert engine_process_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}
+    assert huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}
+
+
+def test_engine_env_adds_dynamo_off_and_a_users_setting_wins():
+    assert engine_process_env({}) == {"GLIBC_TUNABLES": HUGE_PAGE_TUNABLE, "TORCHDYNAMO_DISABLE": "1"}
+    assert engine_process_env({"TORCHDYNAMO_DISABLE": "0", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}
 
 
 def test_subprocess_engine_starts_with_the_tunable_and_the_parent_env_is_unchanged():

@@ -1,0 +1,72 @@
+"""What a run's start-up spent its time on, from the process's start to its first step.
+
+`StartupClock` records phases as the run passes through them (`phase(name)` around a block, or
+`add(name, seconds)` for phases that ran concurrently, as the Megatron ranks and the engines
+do), and gives them as `timing_s/startup/<phase>` metrics (logged with step 0) and as one line
+in the log:
+
+    start-up: 19.6 s to the first step (inputs 2.2 [ray 3.1 in the background], wait_ray 0.9,
+    workers 11.2 [megatron 5.7 | engines 11.2, concurrently], first_sync 0.2, validation 0.3)
+
+`total` counts from the process's start (`psutil.Process().create_time()`), so interpreter
+start-up and imports are in it: the time a user waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import psutil
+
+# Phases that ran at the same time as another (shown in brackets after it): Ray starts while the
+# driver reads its inputs; the Megatron ranks and the engines start together ("workers").
+CONCURRENT = {"inputs": ("ray",), "workers": ("megatron", "engines")}
+
+
+class StartupClock:
+    """Start-up phases of one run, in the order they happened."""
+
+    def __init__(self):
+        self.origin = psutil.Process().create_time()  # wall clock, seconds since the epoch
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as phase `name` (added to it when the phase repeats)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Record `seconds` of phase `name` (added to what it has)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def total(self) -> float:
+        """Seconds from the process's start until now."""
+        return time.time() - self.origin
+
+    def metrics(self) -> dict[str, float]:
+        """`timing_s/startup/<phase>` for every phase, and `timing_s/startup/total` (until now)."""
+        out = {f"timing_s/startup/{name}": s for name, s in self.seconds.items()}
+        out["timing_s/startup/total"] = self.total()
+        return out
+
+    def line(self) -> str:
+        """The start-up in one line: the total, then each phase (concurrent ones in brackets)."""
+        inner = {n for names in CONCURRENT.values() for n in names}
+        parts = []
+        for name, s in self.seconds.items():
+            if name in inner:
+                continue
+            part = f"{name} {s:.1f}"
+            together = [f"{n} {self.seconds[n]:.1f}" for n in CONCURRENT.get(name, ()) if n in self.seconds]
+            if len(together) == 1:
+                part += f" [{together[0]} in the background]"
+            elif together:
+                part += f" [{' | '.join(together)}, concurrently]"
+            parts.append(part)
+        return f"start-up: {self.total():.1f} s to the first step ({', '.join(parts)})"

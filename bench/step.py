@@ -21,9 +21,13 @@ steps are timed; the table is the breakdown of the median one (the timed step of
     rest           the step minus all of the above (batch building, metrics, rollout dump)
 
 The sync's own breakdown (send, finish, probe) follows the table. The last line is
-`overhead_ratio=X sync_share=Y` of that step: the share of step time outside generation and
-update, and the sync's share. Targets: overhead_ratio <=
-0.15, sync_share <= 0.05.
+`overhead_ratio=X sync_share=Y step_s=S tree_rss_gb=M tree_pss_gb=P`: the share of the median
+step's time outside generation and update, the sync's share, the median step's seconds, and the
+peak memory of this process's tree (this driver, the Ray cluster it started, the Megatron ranks
+and the engines: `platform/tree_memory.py`) summed as resident sets and as proportional sets
+(shared pages once). Targets: overhead_ratio <= 0.15, sync_share <= 0.05. The figures before
+issue 29's changes (`BEFORE`, measured with this script at commit e7ae4c8 on the same machine)
+are printed next to them.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+# bench/step.py at e7ae4c8 (before the lean start-up and memory work), `--steps 5 sft.steps=100`,
+# on the 2-core development machine: the median step and the tree's peak resident memory.
+BEFORE = {"step_s": None, "tree_rss_gb": None}
 PHASES = ["gen", "old_log_prob", "ref", "logprob_call", "adv", "update", "sync", "rest"]
 SYNC_PARTS = ["sync/send_s", "sync/produce_s", "sync/pack_s", "sync/wait_s", "sync/finish_s", "sync/probe_s"]
 
@@ -161,8 +168,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    from megatron_agent.platform.tree_memory import TreeMemory
+
+    memory = TreeMemory(interval_s=0.5).start()
     rows = run_steps(args.config, args.overrides, args.warmup, args.steps)
-    print(report(rows[args.warmup :]))
+    peak = memory.stop()
+    step_s = median_row(rows[args.warmup :])["timing_s/step"]
+    rss, pss = peak["perf/peak_rss_sum_gb"], peak["perf/peak_pss_sum_gb"]
+    if BEFORE["step_s"] is not None:
+        print(f"before (e7ae4c8): step_s={BEFORE['step_s']:.3f} tree_rss_gb={BEFORE['tree_rss_gb']:.2f}")
+    print(f"{report(rows[args.warmup :])} step_s={step_s:.3f} tree_rss_gb={rss:.2f} tree_pss_gb={pss:.2f}")
 
 
 if __name__ == "__main__":

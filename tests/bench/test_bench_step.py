@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = ["gen", "old_log_prob", "ref", "logprob_call", "adv", "update", "sync", "rest"]
 
@@ -30,9 +32,17 @@ def test_step_benchmark_prints_every_phase_and_the_ratios():
     assert seconds["gen"] > 0 and seconds["update"] > 0 and seconds["sync"] > 0
     assert abs(sum(shares[p] for p in PHASES) - 1.0) < 0.01, out  # the phases partition the step
     last = out.strip().splitlines()[-1]
-    match = re.fullmatch(r"overhead_ratio=(\d+\.\d+) sync_share=(\d+\.\d+)", last)
+    match = re.fullmatch(
+        r"overhead_ratio=(\d+\.\d+) sync_share=(\d+\.\d+) step_s=(\d+\.\d+) tree_rss_gb=(\d+\.\d+) "
+        r"tree_pss_gb=(\d+\.\d+)",
+        last,
+    )
     assert match, last
     overhead, sync_share = float(match.group(1)), float(match.group(2))
+    step_s, rss_gb, pss_gb = (float(match.group(i)) for i in (3, 4, 5))
+    assert step_s == pytest.approx(seconds["step"], abs=1e-3)  # the median step of the table
+    # the driver, Ray, a Megatron rank and an engine each hold torch: well over 1 GB in all
+    assert 1.0 < pss_gb <= rss_gb < 20.0, last
     assert 0.0 < sync_share < overhead < 1.0  # the sync is part of the overhead
     # The last line is the median step's ratios: the table's shares recomputed.
     assert abs(overhead - (1.0 - shares["gen"] - shares["update"])) < 0.002, out

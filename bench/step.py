@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 # bench/step.py at e7ae4c8 (before the lean start-up and memory work), `--steps 5 sft.steps=100`,
 # on the 2-core development machine: the median step and the tree's peak resident memory.
-BEFORE = {"step_s": 1.200, "tree_rss_gb": 4.66}
+BEFORE = {"step_s": 1.014, "tree_rss_gb": 4.48}
 PHASES = ["gen", "old_log_prob", "ref", "logprob_call", "adv", "update", "sync", "rest"]
 SYNC_PARTS = ["sync/send_s", "sync/produce_s", "sync/pack_s", "sync/wait_s", "sync/finish_s", "sync/probe_s"]
 

@@ -210,7 +210,7 @@ class Run:
         return metrics
 
     def _report_performance(self, run_dir: Path) -> None:
-        """At exit: the peak memory of the run's process tree, printed and written to perf.json
+        """At exit: the peak memory of the run's process tree, logged and written to perf.json
         with the start-up's phases."""
         import json
 

@@ -111,8 +111,9 @@ def huge_pages_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     each linear weight as a oneDNN-packed copy in fresh memory, rebuilt at every weight load;
     on 4 KiB pages, faulting that memory in cost more than the repack itself (a 32000 x 768
     output layer: 57 ms on 4 KiB pages, 24 ms with huge pages; the weight sync benchmark's engine
-    load 0.16-0.20 s -> 0.11-0.12 s). A Megatron rank's update allocates its activations afresh
-    at every step: the quickstart's update took 0.27 s instead of 0.29 s. Empty on GPU, or when
+    load 0.16-0.20 s -> 0.11-0.12 s). Not for the Megatron ranks: their update was 7% faster
+    with it, but their forward differed between two processes in 1 of 5 runs (at 1e-7), and
+    deterministic runs must repeat exactly. Empty on GPU, or when
     GLIBC_TUNABLES already sets it (the user's choice wins); older glibc ignores the tunable."""
     if torch.cuda.is_available():
         return {}

@@ -12,12 +12,16 @@ COMMANDS = {
     "sft": ("megatron_agent.commands.sft", "supervised warm start on chat data with tool calls"),
     "score": ("megatron_agent.commands.score", "per-token log-probs of token ids with Megatron"),
     "rollout": ("megatron_agent.commands.rollout", "run the agent loop on a dataset and dump rollouts"),
+    "check-sandbox": (
+        "megatron_agent.commands.check_sandbox",
+        "whether the python tool's sandbox holds here",
+    ),
 }
 
 
 def _usage() -> str:
     lines = ["usage: python -m megatron_agent COMMAND [args...] [--debug]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<13} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "--debug: print the traceback of an expected error (bad input: exit 2; run failure: 1)"]
     return "\n".join(lines)
 

@@ -272,11 +272,15 @@ class PythonToolConfig:
     """The `python` tool's sandbox and limits."""
 
     sandbox: Literal["strict", "auto", "off"] = "auto"
-    """'strict' (bubblewrap required), 'auto' (bubblewrap if present, else limits only, with a warning), 'off'."""
-    memory_mb: Annotated[int, Range(ge=16, why="the interpreter itself needs about 10 MiB")] = 512
-    """Address-space limit of one run, in MiB."""
-    max_processes: PositiveInt = 16
-    """Processes (and threads) one run may have at once."""
+    """'auto' and 'strict': bubblewrap, and the run refuses to start where it cannot hold a call; 'off': no sandbox, on purpose."""
+    memory_mb: Annotated[
+        int, Range(ge=48, why="the interpreter and the /dev/shm of a call need about 32 MiB")
+    ] = 512
+    """Memory budget of one call in MiB: every process, its working folder and /dev/shm together."""
+    max_processes: PositiveInt = 8
+    """Processes (and threads) one call may have at once."""
+    tmp_mb: Annotated[int, Range(ge=1, why="the snippet's file is written there")] = 64
+    """Size of a call's working folder (a tmpfs) in MiB, inside memory_mb."""
 
 
 @dataclass
@@ -295,6 +299,8 @@ class ToolsConfig:
     """Folder of the prebuilt BM25 index of the `search` tool (see envs/tools/search.py)."""
     search_top_k: PositiveInt = 3
     """Passages returned by one `search` call."""
+    max_concurrent: NonNegativeInt = 0
+    """python tool calls running at once per engine (the rest wait); 0: one per core, within half the free memory."""
     python: PythonToolConfig = field(default_factory=PythonToolConfig)
     """The python tool."""
 

@@ -1,11 +1,3 @@
-"""Device and backend choice, the CPU redirection for megatron-core, and seeding."""
-
-from megatron_agent.platform.setup import (
-    backend_name,
-    device,
-    has_cuda,
-    init_distributed,
-    seed_everything,
-)
-
-__all__ = ["backend_name", "device", "has_cuda", "init_distributed", "seed_everything"]
+"""Device and backend choice, the CPU redirection for megatron-core, seeding, and the machine's
+resources. Import the submodules (`platform.setup`, ...): this package imports nothing itself,
+so that standard-library-only parts (free_memory, run_token) load without torch or numpy."""

@@ -85,7 +85,10 @@ def build_toolset(
     cfg: Config, names: list[str] | tuple[str, ...] | None = None, search_index_dir: str | None = None
 ) -> ToolSet:
     """Tools of `names` (default `cfg.tools.enabled`; a run passes `RunPlan.tools`), with the
-    configured timeout; the search index is `search_index_dir` or `cfg.tools.search_index_dir`."""
+    configured timeout; the search index is `search_index_dir` or `cfg.tools.search_index_dir`.
+    On a local cluster (no `ray.address`) all `rollout.num_engines` engines share this machine,
+    and so do their python tools' memory and cores."""
+    copies = 1 if cfg.ray.address else cfg.rollout.num_engines
     tools = [
         make_tool(
             name,
@@ -94,6 +97,9 @@ def build_toolset(
             python_memory_mb=cfg.tools.python.memory_mb,
             python_sandbox=cfg.tools.python.sandbox,
             python_max_processes=cfg.tools.python.max_processes,
+            python_tmp_mb=cfg.tools.python.tmp_mb,
+            max_concurrent=cfg.tools.max_concurrent,
+            python_copies=copies,
             timeout_s=cfg.tools.timeout_s,
         )
         for name in (cfg.tools.enabled if names is None else names)

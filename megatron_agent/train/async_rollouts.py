@@ -30,10 +30,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from megatron_agent.envs.tools import merge_tool_metrics
 from megatron_agent.rollout.trajectory import Trajectory
 from megatron_agent.train.cluster import WorkerDiedError
 from megatron_agent.train.run_state import rollout_seed
-from megatron_agent.train.trainer import merge_tool_metrics
 
 
 @dataclass

@@ -339,11 +339,18 @@ def async_pipeline(trainer, state: dict | None):
 
 def check_inputs_up_front(cfg: Config, *, sft: bool) -> None:
     """Check in the driver what the workers would read first: the `trainer.init_from` checkpoint
-    (every file against its manifest; the workers then check sizes only) and, when SFT runs, the
-    rows of `sft.data_path`. Raises an `InputError` naming the file (and row)."""
+    (every file against its manifest; the workers then check sizes only), when SFT runs the rows
+    of `sft.data_path`, and on a local cluster the python tool's sandbox (it fails closed) and its
+    worst case against this machine's memory. Raises an `InputError` naming the file (and row)
+    or the key."""
     from megatron_agent.checkpoint.manifest import verify_manifest
     from megatron_agent.data.sft import load_sft_rows
     from megatron_agent.errors import InputError
+
+    if "python" in cfg.tools.enabled and not cfg.ray.address:
+        from megatron_agent.rollout.factory import build_toolset
+
+        build_toolset(cfg, ["python"])  # what each engine builds (SandboxUnavailable, InputError)
 
     if cfg.trainer.init_from:
         verify_manifest(cfg.trainer.init_from)

@@ -19,6 +19,7 @@ import torch
 from megatron_agent.config import Config, ConfigError, RunPlan, config_to_dict, make_plan
 from megatron_agent.data.sampler import PromptSampler
 from megatron_agent.data.tasks import Task
+from megatron_agent.envs.tools import merge_tool_metrics
 from megatron_agent.rl.kl_controller import make_kl_controller
 from megatron_agent.train.batch import RLBatch
 from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup
@@ -444,16 +445,6 @@ class PendingRollout:
         for task in self.tasks:
             out.extend(by_task[id(task)].pop(0))
         return out
-
-
-def merge_tool_metrics(per_engine: list[dict[str, float]]) -> dict[str, float]:
-    """The engines' `tool_metrics` as one: unsandboxed calls summed, sandboxed if all are."""
-    merged: dict[str, float] = {}
-    for m in per_engine:
-        if "tool/unsandboxed" in m:
-            merged["tool/unsandboxed"] = merged.get("tool/unsandboxed", 0.0) + m["tool/unsandboxed"]
-            merged["tool/sandboxed"] = min(merged.get("tool/sandboxed", 1.0), m["tool/sandboxed"])
-    return merged
 
 
 def gather_rows(batch: RLBatch, name: str, parts: list[tuple[list[int], list]]) -> list:

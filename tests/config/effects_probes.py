@@ -89,13 +89,17 @@ def probe_agent_loop(cfg, plan, env):
 
 @contextlib.contextmanager
 def _no_sandbox_probes():
-    """The python tool's probes of this machine (bubblewrap, `unshare -n`) answered without starting
-    a process (the unit tier starts none): no sandbox here."""
-    from megatron_agent.envs.tools import python
+    """The python tool's probes of this machine (bubblewrap, `unshare`, cgroups) answered without
+    starting a process or making a cgroup (the unit tier does neither): bubblewrap works, and call
+    cgroups would go to a folder that no call of this test ever makes."""
+    from megatron_agent.envs.tools import cgroups, python
 
+    where = cgroups.Support(1, {c: Path("/nonexistent/cgroup") for c in cgroups.CONTROLLERS})
     with (
-        mock.patch.object(python, "_probe", lambda bwrap: "not probed in the unit tier"),
-        mock.patch.object(python, "network_namespace_available", lambda: False),
+        mock.patch.object(python, "_probe", lambda bwrap: None),
+        mock.patch.object(python.bw, "find_bwrap", lambda path=None: "/usr/bin/bwrap"),
+        mock.patch.object(python.cgroups, "support", lambda: where),
+        mock.patch.object(python, "unsandboxed_prefix", lambda: ()),
     ):
         yield
 
@@ -112,7 +116,7 @@ def probe_tools(cfg, plan, env):
             out[name] = dataclasses.asdict(asyncio.run(tools.run(name, calls[name])))
             out[name].pop("seconds")
         else:  # the python tool runs snippets in processes: its limits
-            keys = ("mode", "memory_mb", "max_processes", "timeout_s", "sandboxed")
+            keys = ("mode", "memory_mb", "max_processes", "tmp_mb", "max_concurrent", "timeout_s", "path")
             out[name] = {k: getattr(tool, k, None) for k in keys}
     return out
 

@@ -86,6 +86,8 @@ VALUES: dict[str, object] = {
     "tools.search_top_k": 1,
     "tools.python.sandbox": "off",
     "tools.python.memory_mb": 256,
+    "tools.python.tmp_mb": 32,
+    "tools.max_concurrent": 3,
     "sft.steps": 2,
     "sft.data_path": "{sft_rows}",
     "sft.num_synthetic": 6,
@@ -146,6 +148,8 @@ CONTEXT: dict[str, list[str]] = {
     "tools.python.sandbox": ["tools.enabled=[calculator,python]"],
     "tools.python.memory_mb": ["tools.enabled=[calculator,python]"],
     "tools.python.max_processes": ["tools.enabled=[calculator,python]"],
+    "tools.python.tmp_mb": ["tools.enabled=[calculator,python]"],
+    "tools.max_concurrent": ["tools.enabled=[calculator,python]"],
     "sync.probe_tol_bf16": ["model.dtype=bf16"],
     "trainer.resume": ["trainer.total_steps=2"],  # resumes after step 1, then trains step 2
     "checkpoint.keep_last": ["trainer.total_steps=2", "checkpoint.save_freq=1"],

@@ -69,7 +69,7 @@ def _processes_with(token: str) -> list[int]:
 class Job:
     """One launcher run with its fakes, ports, folders, and the cleanup of what it started."""
 
-    def __init__(self, tmp_path: Path, wait_signal: float):
+    def __init__(self, tmp_path: Path, wait_signal: float, driver_args: tuple[str, ...] = ()):
         self.token = tempfile.mkdtemp(prefix="mops", dir="/tmp")  # short: Ray's socket paths are capped
         self.out = tmp_path / "driver.json"
         self.slurm_log = tmp_path / "slurm.jsonl"
@@ -105,7 +105,7 @@ class Job:
         )
         self.port = base
         cmd = ["bash", str(LAUNCH), sys.executable, str(DRIVER), "ray.address={RAY_ADDRESS}"]
-        cmd += ["--out", str(self.out), "--wait-signal", str(wait_signal)]
+        cmd += ["--out", str(self.out), "--wait-signal", str(wait_signal), *driver_args]
         self.proc = subprocess.Popen(
             cmd,
             env=self.env,
@@ -174,6 +174,13 @@ def test_launch_runs_driver_on_joined_cluster_then_requeues_and_stops(tmp_path):
         assert all(c["opts"]["--container-image"] == "/images/megatron-agent.sqsh" for c in steps)
         driver = [c for c in steps if str(DRIVER) in c["argv"]]
         assert len(driver) == 1 and driver[0]["node"] == "ranode1"
+        # Every node checked the python tool's sandbox with the driver's overrides, before Ray.
+        checks = [c for c in steps if "check-sandbox" in c["argv"]]
+        assert sorted(c["node"] for c in checks) == ["ranode1", "ranode2"]
+        assert all(c["argv"][-1] == f"ray.address=127.0.0.1:{job.port}" for c in checks)
+        first_node = next(i for i, c in enumerate(steps) if "_node" in c["argv"])
+        assert all(steps.index(c) < first_node for c in checks)
+        assert "ranode2: sandbox on" in output
         assert f"ray.address=127.0.0.1:{job.port}" in driver[0]["argv"]
         assert _wait_gone(job.token) == [], "Ray processes survived the job"
         assert "cluster stopped" in output
@@ -199,5 +206,19 @@ def test_dead_worker_fails_the_job_fast(tmp_path):
         assert _wait_gone(job.token) == [], "Ray processes survived the failed job"
         with pytest.raises(ProcessLookupError):
             os.kill(report["pid"], 0)  # the driver was stopped too
+    finally:
+        job.cleanup()
+
+
+def test_a_node_whose_sandbox_cannot_hold_the_runs_calls_fails_the_job_before_ray(tmp_path):
+    # The run asks for more sandboxed memory than any machine has: refused on every node.
+    too_much = ("tools.enabled=[python]", "tools.max_concurrent=1000", "tools.python.memory_mb=65536")
+    job = Job(tmp_path, wait_signal=60, driver_args=too_much)
+    try:
+        rc, output, seconds = job.finish(timeout=90)
+        assert rc != 0 and "sandbox cannot hold a call on" in output, output
+        assert "ranode1: error: tools.max_concurrent=1000 x tools.python.memory_mb=65536" in output, output
+        assert not [c for c in job.slurm_calls() if "_node" in c.get("argv", [])], "Ray started"
+        assert not job.out.exists()
     finally:
         job.cleanup()

@@ -105,6 +105,12 @@ CASES = [
     ("sft_empty_data", "sft sft.steps=2 sft.data_path={empty}", "has no usable rows"),
     ("sft_malformed_data", "sft sft.steps=2 sft.data_path={bad_sft}", "has no usable rows (2 skipped"),
     ("sft_no_steps", "sft", "sft.steps must be >= 1"),
+    (  # 4 engines x 1000 calls x 64 GiB on this machine: far beyond half of any machine's memory
+        "python_tool_worst_case",
+        "train tools.enabled=[calculator,python] rollout.num_engines=4 tools.max_concurrent=1000 "
+        "tools.python.memory_mb=65536",
+        "tools.max_concurrent=1000 x tools.python.memory_mb=65536 x 4 engines on this machine",
+    ),
     ("rollout_n", "rollout rollout.n=-1", "rollout.n=-1 must be >= 1"),
     ("rollout_model", "rollout --model {root}/no_model", "is not an HF model folder"),
     ("rollout_not_utf8", "rollout --data {not_utf8}", "no valid task rows"),

@@ -37,6 +37,9 @@ class Tool:
     """JSON schema of the arguments (an object)."""
     timeout_s: float | None = None
     """Per-call timeout; None uses the ToolSet's default."""
+    limits_own_time: bool = False
+    """True when `call` applies `timeout_s` itself (from when the call starts running, after any
+    wait for a free slot) and raises TimeoutError; the ToolSet then sets no limit of its own."""
 
     async def call(self, **arguments: Any) -> str | bytes:
         """Run the tool; raise to report an error (the message becomes the tool response)."""
@@ -136,7 +139,7 @@ class ToolSet:
                 # In this task, not a new one (as wait_for would): a SystemExit raised by the
                 # tool (argparse on bad input, sys.exit) then reaches the handler below instead
                 # of escaping the event loop and ending every rollout of the engine.
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(None if tool.limits_own_time else timeout):
                     out = await tool.call(**arguments)
             else:  # a synchronous tool runs in a thread so that it cannot block the event loop
                 run = functools.partial(tool.call, **arguments)

@@ -1,4 +1,4 @@
-"""The python tool's sandbox: bubblewrap (`bwrap`) command lines and a per-call pids cgroup.
+"""The python tool's sandbox: bubblewrap (`bwrap`) command lines and the start-up probe.
 
 A snippet runs as the user `nobody` of a new user namespace, in new PID, mount, network, IPC
 and UTS namespaces. Its file system holds only the interpreter, its standard library (with
@@ -8,44 +8,47 @@ size-limited tmpfs that is its working folder; the root is read-only. Nothing of
 resource limits (address space, CPU time, file size, process count) and then executes the
 snippet with `python -I -S -B`.
 
+Every tmpfs the snippet can write has a size: its working folder (`tmp_bytes`) and `/dev/shm`
+(`shm_bytes`); the rest of `/dev` is read-only. Those sizes count towards the call's memory
+budget (python.py says how the budget is held: one cgroup, or per-process limits).
+
 The process count: RLIMIT_NPROC, set inside the new user namespace, counts only the sandbox's
 processes and threads; the kernel does not apply it when the calling user is root (uid 0 outside
-maps to uid 0 of the kernel's accounting), so as root each call also gets its own pids cgroup
-(v1 or v2) when one can be created; `process_limit_mechanism()` says which applies.
+maps to uid 0 of the kernel's accounting), so as root the call's pids cgroup (cgroups.py) holds
+the count instead.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
-from pathlib import Path
 
 NOBODY = 65534
 """uid and gid of the snippet inside the sandbox."""
 
 INSTALL_HINT = (
     "install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap; Fedora/RHEL: dnf install "
-    "bubblewrap; or run scripts/install.sh as root), or set tools.python.sandbox=auto to run "
-    "with resource limits only"
+    "bubblewrap; or run scripts/install.sh as root)"
 )
+
+MAX_OPEN_FILES = 64
+"""Open files per process (RLIMIT_NOFILE): bounds the kernel buffers (pipes, sockets) a snippet can fill."""
 
 # Runs inside the sandbox: set the limits, then replace itself with the snippet's interpreter.
 BOOTSTRAP = (
     "import os, resource as r, sys\n"
     "m, c, f, n = (int(a) for a in sys.argv[1:5])\n"
     "for k, v in ((r.RLIMIT_AS, m), (r.RLIMIT_CPU, c), (r.RLIMIT_FSIZE, f), (r.RLIMIT_NPROC, n),"
-    " (r.RLIMIT_CORE, 0)):\n"
+    f" (r.RLIMIT_NOFILE, {MAX_OPEN_FILES}), (r.RLIMIT_CORE, 0)):\n"
     "    r.setrlimit(k, (v, v))\n"
     "os.execv(sys.executable, [sys.executable, '-I', '-S', '-B', sys.argv[5]])\n"
 )
 
 _SYSTEM_LIBS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/lib32", "/lib32")
-_counter = itertools.count()
 
 
 def find_bwrap(path: str | None = None) -> str | None:
@@ -59,7 +62,8 @@ def find_bwrap(path: str | None = None) -> str | None:
 
 @functools.cache
 def _bwrap_options(bwrap: str) -> frozenset[str]:
-    """The options this bwrap build knows (older releases lack --size or --disable-userns)."""
+    """The options this bwrap build knows (releases before 0.5 lack --size, before 0.8
+    --disable-userns)."""
     try:
         text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
@@ -112,19 +116,35 @@ def bwrap_argv(
     file_bytes: int,
     max_processes: int,
     tmp_bytes: int,
+    shm_bytes: int,
+    seccomp_fd: int | None = None,
 ) -> list[str]:
-    """The bwrap command line running the snippet read from `code_fd` in the private `workdir`."""
+    """The bwrap command line running the snippet read from `code_fd` in the private `workdir`:
+    `memory_bytes` of address space per process, `tmp_bytes` of working folder, `shm_bytes` of
+    /dev/shm. Without --size (bwrap < 0.5) the two tmpfs take the kernel's default size: the
+    caller must hold memory with a cgroup then (`supports_tmpfs_size`). `seccomp_fd`: the
+    filter of seccomp.py, passed along with `code_fd`."""
     known = _bwrap_options(bwrap)
     argv = [bwrap, "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)]
     argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     argv += ["--hostname", "sandbox", "--die-with-parent", "--new-session"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     if "--disable-userns" in known:
         argv += ["--disable-userns"]
     argv += _readonly_mounts()
+    sized = "--size" in known
     argv += ["--proc", "/proc", "--dev", "/dev"]
-    if "--size" in known:
-        argv += ["--size", str(tmp_bytes)]
-    argv += ["--tmpfs", workdir, "--file", str(code_fd), f"{workdir}/main.py", "--chdir", workdir]
+    argv += (["--size", str(shm_bytes)] if sized else []) + ["--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+    argv += (["--size", str(tmp_bytes)] if sized else []) + [
+        "--tmpfs",
+        workdir,
+        "--file",
+        str(code_fd),
+        f"{workdir}/main.py",
+        "--chdir",
+        workdir,
+    ]
     argv += ["--remount-ro", "/"]
     argv += [interpreter(), "-I", "-S", "-B", "-c", BOOTSTRAP]
     # +1: bwrap's own init (PID 1 of the sandbox) runs as the same user.
@@ -132,10 +152,18 @@ def bwrap_argv(
     return argv
 
 
+def supports_tmpfs_size(bwrap: str) -> bool:
+    """Whether this bwrap can size a tmpfs (--size, bubblewrap >= 0.5)."""
+    return "--size" in _bwrap_options(bwrap)
+
+
 def probe(bwrap: str) -> str | None:
     """None when a trivial snippet runs in the sandbox here, else bwrap's error output."""
     import tempfile
 
+    from megatron_agent.envs.tools import seccomp
+
+    rules = seccomp.filter_fd() if seccomp.supported() else None
     with tempfile.TemporaryFile() as code:
         code.write(b"print('ok')")
         code.flush()
@@ -149,13 +177,19 @@ def probe(bwrap: str) -> str | None:
             file_bytes=1 << 20,
             max_processes=8,
             tmp_bytes=1 << 20,
+            shm_bytes=1 << 20,
+            seccomp_fd=rules,
         )
+        fds = (code.fileno(),) if rules is None else (code.fileno(), rules)
         try:
             proc = subprocess.run(
-                argv, pass_fds=(code.fileno(),), capture_output=True, timeout=30, env=minimal_env("/tmp")
+                argv, pass_fds=fds, capture_output=True, timeout=30, env=minimal_env("/tmp")
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return str(exc)
+        finally:
+            if rules is not None:
+                os.close(rules)
     if proc.returncode == 0 and proc.stdout == b"ok\n":
         return None
     return (proc.stderr or proc.stdout).decode("utf-8", errors="replace").strip()[-1000:] or (
@@ -166,86 +200,3 @@ def probe(bwrap: str) -> str | None:
 def minimal_env(home: str) -> dict[str, str]:
     """The whole environment a snippet gets."""
     return {"PATH": "/usr/bin:/bin", "HOME": home, "PYTHONIOENCODING": "utf-8", "LANG": "C.UTF-8"}
-
-
-@functools.cache
-def _pids_cgroup_parent() -> Path | None:
-    """A cgroup folder in which this (root) process may create pids-limited children, or None."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    candidates = []
-    for line in lines:
-        _, controllers, rel = line.split(":", 2)
-        if "pids" in controllers.split(","):
-            candidates.append(Path("/sys/fs/cgroup/pids") / rel.lstrip("/"))
-        elif controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").is_file():
-            base = Path("/sys/fs/cgroup") / rel.lstrip("/")
-            try:
-                if "pids" in (base / "cgroup.subtree_control").read_text().split():
-                    candidates.append(base)
-            except OSError:
-                pass
-    for base in candidates:
-        test = base / f"ma_python_probe_{os.getpid()}"
-        try:
-            test.mkdir()
-            (test / "pids.max").write_text("8")
-            test.rmdir()
-            return base
-        except OSError:
-            try:
-                test.rmdir()
-            except OSError:
-                pass
-    return None
-
-
-def process_limit_mechanism() -> str | None:
-    """How max_processes is enforced here: 'rlimit' (non-root), 'cgroup' (root), or None."""
-    if os.geteuid() != 0:
-        return "rlimit"
-    return "cgroup" if _pids_cgroup_parent() is not None else None
-
-
-class PidsCgroup:
-    """A pids cgroup for one call (root only): processes started by `enter` (in the child before
-    exec) are limited to `max_pids`; `close` kills what is left and removes the cgroup."""
-
-    def __init__(self, max_pids: int):
-        """Create the cgroup; raises OSError when that is not possible."""
-        parent = _pids_cgroup_parent()
-        if parent is None:
-            raise OSError("no writable pids cgroup")
-        self.path = parent / f"ma_python_{os.getpid()}_{next(_counter)}"
-        self.path.mkdir()
-        (self.path / "pids.max").write_text(str(max_pids))
-
-    def enter(self) -> None:
-        """Move the calling process into the cgroup (used as a preexec function)."""
-        with open(self.path / "cgroup.procs", "w") as f:
-            f.write(str(os.getpid()))
-
-    def close(self) -> None:
-        """Kill every process still in the cgroup, then remove it."""
-        import signal
-        import time
-
-        for _ in range(100):
-            try:
-                pids = [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
-            except OSError:
-                return
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.01)
-        try:
-            self.path.rmdir()
-        except OSError:
-            pass

@@ -1,0 +1,213 @@
+"""One cgroup per python-tool call: its memory (every process, every tmpfs page) and its process
+count under one limit, and every process of the call killed at the end.
+
+Works with cgroup v1 (a `memory` and a `pids` hierarchy) and cgroup v2 (one unified hierarchy
+whose parent delegates `memory` and `pids`). A call's cgroups are created next to this process's
+own (children of its cgroup), so a job's own limit (Slurm, a container) still holds above them.
+`support()` probes once what this machine lets this process create; `CallCgroup` is one call's.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CONTROLLERS = ("memory", "pids")
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class Support:
+    """Where this process can create a call's cgroups: a parent folder per controller."""
+
+    version: int
+    """1 or 2."""
+    parents: dict[str, Path]
+    """Controller name (memory, pids) -> the folder new call cgroups are made in."""
+
+    def describe(self) -> str:
+        """E.g. 'cgroup v1 (memory, pids)'."""
+        return f"cgroup v{self.version} ({', '.join(sorted(self.parents))})"
+
+
+def _mounts() -> tuple[dict[str, Path], Path | None]:
+    """v1 mount points by controller, and the v2 mount point (from /proc/self/mountinfo)."""
+    v1: dict[str, Path] = {}
+    v2 = None
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return v1, v2
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        mount_point, fstype, options = Path(fields[4]), tail[0], tail[2].split(",")
+        if fstype == "cgroup2":
+            v2 = v2 or mount_point
+        elif fstype == "cgroup":
+            for controller in CONTROLLERS:
+                if controller in options:
+                    v1.setdefault(controller, mount_point)
+    return v1, v2
+
+
+def _own_cgroups() -> tuple[dict[str, str], str | None]:
+    """This process's cgroup path per v1 controller, and its v2 path (from /proc/self/cgroup)."""
+    v1: dict[str, str] = {}
+    v2 = None
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return v1, v2
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":
+            v2 = rel
+        for controller in controllers.split(","):
+            if controller in CONTROLLERS:
+                v1[controller] = rel
+    return v1, v2
+
+
+def _writable(parent: Path, limit_file: str, value: str) -> bool:
+    """Whether a child cgroup can be made in `parent` and its `limit_file` written."""
+    test = parent / f"ma_python_probe_{os.getpid()}_{next(_counter)}"
+    try:
+        test.mkdir()
+        (test / limit_file).write_text(value)
+        return True
+    except OSError:
+        return False
+    finally:
+        try:
+            test.rmdir()
+        except OSError:
+            pass
+
+
+@functools.cache
+def support() -> Support | None:
+    """Where call cgroups holding both memory and pids can be made here, or None (cached).
+
+    v1 needs both hierarchies writable; v2 needs this process's cgroup to delegate both
+    controllers to its children (`cgroup.subtree_control`), as a root or a systemd-delegated
+    cgroup does."""
+    mounts_v1, mount_v2 = _mounts()
+    own_v1, own_v2 = _own_cgroups()
+    limits = {"memory": ("memory.limit_in_bytes", str(64 << 20)), "pids": ("pids.max", "8")}
+    if all(c in mounts_v1 and c in own_v1 for c in CONTROLLERS):
+        parents = {c: mounts_v1[c] / own_v1[c].lstrip("/") for c in CONTROLLERS}
+        if all(_writable(parents[c], *limits[c]) for c in CONTROLLERS):
+            return Support(1, parents)
+    if mount_v2 is not None and own_v2 is not None:
+        parent = mount_v2 / own_v2.lstrip("/")
+        try:
+            delegated = (parent / "cgroup.subtree_control").read_text().split()
+        except OSError:
+            delegated = []
+        if all(c in delegated for c in CONTROLLERS) and _writable(parent, "memory.max", str(64 << 20)):
+            return Support(2, {c: parent for c in CONTROLLERS})
+    return None
+
+
+class CallCgroup:
+    """The cgroup(s) of one call: `memory_bytes` for all its memory, at most `max_pids` tasks.
+
+    `enter` (a preexec function: it runs in the child before exec) puts the call's first process
+    in; everything it starts stays in. `close` kills whatever is left and removes the cgroups.
+    Raises OSError when they cannot be created."""
+
+    def __init__(self, memory_bytes: int, max_pids: int, where: Support | None = None):
+        """Create the cgroups under `where` (default `support()`)."""
+        where = where or support()
+        if where is None:
+            raise OSError("no writable memory and pids cgroups")
+        self.version = where.version
+        name = f"ma_python_{os.getpid()}_{next(_counter)}"
+        self.dirs = sorted({parent / name for parent in where.parents.values()})
+        self.memory_dir = where.parents["memory"] / name
+        self.pids_dir = where.parents["pids"] / name
+        try:
+            for folder in self.dirs:
+                folder.mkdir()
+            if self.version == 1:
+                (self.memory_dir / "memory.limit_in_bytes").write_text(str(memory_bytes))
+                _try_write(self.memory_dir / "memory.memsw.limit_in_bytes", str(memory_bytes))
+            else:
+                (self.memory_dir / "memory.max").write_text(str(memory_bytes))
+                _try_write(self.memory_dir / "memory.swap.max", "0")
+            (self.pids_dir / "pids.max").write_text(str(max_pids))
+        except OSError:
+            self.close()
+            raise
+
+    def enter(self) -> None:
+        """Move the calling process into the call's cgroups."""
+        for folder in self.dirs:
+            with open(folder / "cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+
+    def peak_bytes(self) -> int | None:
+        """The most memory the call held at once (None where the kernel does not say)."""
+        name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
+        try:
+            return int((self.memory_dir / name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def oom_kills(self) -> int:
+        """Processes of the call killed at its memory limit."""
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        try:
+            for line in (self.memory_dir / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def _pids(self) -> set[int]:
+        pids: set[int] = set()
+        for folder in self.dirs:
+            try:
+                pids.update(int(p) for p in (folder / "cgroup.procs").read_text().split())
+            except OSError:
+                pass
+        return pids
+
+    def close(self) -> None:
+        """Kill every process still in the call's cgroups, then remove them."""
+        if self.version == 2:
+            _try_write(self.memory_dir / "cgroup.kill", "1")
+        deadline = time.monotonic() + 5.0
+        while (pids := self._pids()) and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.005)
+        for folder in self.dirs:
+            for _ in range(200):  # a killed task leaves its cgroup a moment after it is reaped
+                try:
+                    folder.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.005)
+
+
+def _try_write(path: Path, value: str) -> None:
+    try:
+        path.write_text(value)
+    except OSError:
+        pass

@@ -28,6 +28,15 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 
 WORKDIR /opt/megatron-agent
 
+# 0. bubblewrap, the python tool's sandbox (docs/sandbox.md): without it, a run that enables the
+#    python tool refuses to start. Whether it can create its namespaces depends on the container
+#    runtime, so each node checks at launch (examples/slurm/ray_launch.sh, SANDBOX_CHECK).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/* \
+    && bwrap --version
+
 # 1. What the image brings stays as it is.
 RUN python -m pip list --format=freeze \
       | grep -iE '^(torch|transformer[-_]engine[-_a-z0-9]*|apex|triton|flash[-_]attn)==' \

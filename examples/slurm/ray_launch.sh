@@ -20,6 +20,11 @@
 # SIGUSR1 (from `#SBATCH --signal=B:USR1@SECONDS`) is forwarded to the driver, which saves a
 # checkpoint and exits; the job is then requeued (REQUEUE_ON_SIGNAL=1) and resumes from it.
 #
+# Before any of that, every node checks the python tool's sandbox with the driver's --config and
+# overrides (`python -m megatron_agent check-sandbox`, one line per node in the log):
+# SANDBOX_CHECK=require (default) fails the job when a node cannot hold a call that the run
+# needs, warn reports it and goes on, off skips the check.
+#
 # Settings (environment): CONTAINER_IMAGE, CONTAINER_MOUNTS (pyxis; empty image: no container),
 # GPUS_PER_NODE, RAY_PORT and the other RAY_*_PORT values, RAY_JOIN_TIMEOUT_S, LOG_DIR,
 # NET_IFNAME (NCCL/Gloo interface), SHARED_CACHE (HF and vLLM caches on shared storage).
@@ -48,6 +53,7 @@ REPO=${REPO:-$(cd "$(dirname "$SCRIPT")/../.." && pwd)}
 : "${RAY_JOIN_RETRIES:=5}"
 : "${RAY_JOIN_GRACE_S:=30}"
 : "${STOP_GRACE_S:=30}"
+: "${SANDBOX_CHECK:=require}"
 export RAY_PORT RAY_NODE_MANAGER_PORT RAY_OBJECT_MANAGER_PORT RAY_CLIENT_SERVER_PORT \
   RAY_DASHBOARD_AGENT_LISTEN_PORT RAY_DASHBOARD_AGENT_GRPC_PORT RAY_METRICS_EXPORT_PORT \
   RAY_RUNTIME_ENV_AGENT_PORT RAY_DASHBOARD_PORT RAY_MIN_WORKER_PORT RAY_MAX_WORKER_PORT \
@@ -188,6 +194,35 @@ HEAD_IP=${RAY_HEAD_IP:-$(step "$HEAD_NODE" bash "$SCRIPT" _ip)}
 [ -n "$HEAD_IP" ] || die "could not find the IP address of the head node $HEAD_NODE"
 export RAY_HEAD_IP=$HEAD_IP RAY_ADDRESS=$HEAD_IP:$RAY_PORT
 log "nodes (${#NODES[@]}): ${NODES[*]}; head $HEAD_NODE at $RAY_ADDRESS; logs in $LOG_DIR"
+
+check_sandbox() { # DRIVER_ARGS...: the python tool's sandbox on every node, with the run's config
+  [ "$SANDBOX_CHECK" != off ] || return 0
+  local args=() prev="" arg pid node failed=()
+  for arg in "$@"; do
+    if [ "$prev" = --config ]; then args+=(--config "$arg"); fi
+    case "$arg" in
+      --config=*) args+=("$arg") ;;
+      -*) ;;
+      *=*) args+=("${arg//\{RAY_ADDRESS\}/$RAY_ADDRESS}") ;;
+    esac
+    prev=$arg
+  done
+  local -A checks=()
+  for node in "${NODES[@]}"; do
+    step "$node" python -m megatron_agent check-sandbox "${args[@]}" >"$LOG_DIR/sandbox-$node.log" 2>&1 &
+    checks[$!]=$node
+  done
+  for pid in "${!checks[@]}"; do
+    node=${checks[$pid]}
+    wait "$pid" || failed+=("$node")
+    log "$node: $(grep -E '^(sandbox on|error)' "$LOG_DIR/sandbox-$node.log" | tail -n 1)"
+  done
+  ((${#failed[@]} == 0)) && return 0
+  local what="the python tool's sandbox cannot hold a call on ${failed[*]} (see $LOG_DIR/sandbox-NODE.log)"
+  [ "$SANDBOX_CHECK" = warn ] || die "$what; SANDBOX_CHECK=warn goes on regardless"
+  log "warning: $what"
+}
+check_sandbox "$@"
 
 declare -A ROLE=() # pid -> "head NODE" / "worker NODE"
 driver_pid="" waiter_pid="" got_signal=0

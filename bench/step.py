@@ -1,7 +1,7 @@
 """Where the time of one RL step goes: generation, log-prob passes, advantages, update, sync, the rest.
 
     .venv/bin/python bench/step.py [--config examples/quickstart/config.yaml] [--steps 3] [--warmup 1]
-        [key=value ...]
+        [--gae-steps N] [key=value ...]
 
 Runs the real trainer in this process (the driver: `Trainer` + `rl_step`, as `train` does; Megatron
 ranks and the vLLM engine are Ray actors) on the quickstart config with its batch sizes
@@ -20,12 +20,16 @@ steps are timed; the table is the breakdown of the median one (the timed step of
     sync           weight sync into the engines, verified (timing_s/update_weights)
     rest           the step minus all of the above (batch building, metrics, rollout dump)
 
-The sync's own breakdown (send, finish, probe) follows the table. The last line is
-`overhead_ratio=X sync_share=Y step_s=S tree_rss_gb=M tree_pss_gb=P`: the share of the median
+The sync's own breakdown (send, finish, probe) follows the table. Then a second run of the same
+config with PPO's critic (`algorithm.adv_estimator=gae`, `--gae-steps` timed steps, default
+`--steps`; 0 skips it) times, in each step, the critic's value pass and update beside the actor's
+update at the same size and layout: `critic_ratio` = (timing_s/values + timing_s/update_critic)
+/ timing_s/update_actor of its median step (target <= 1.1). The last line is
+`overhead_ratio=X sync_share=Y step_s=S tree_rss_gb=M tree_pss_gb=P critic_ratio=C`: the share of the median
 step's time outside generation and update, the sync's share, the median step's seconds, and the
 peak memory of this process's tree (this driver, the Ray cluster it started, the Megatron ranks
 and the engines: `platform/tree_memory.py`) summed as resident sets and as proportional sets
-(shared pages once). Targets: overhead_ratio <= 0.15, sync_share <= 0.05. The figures before
+(shared pages once; of the first run only). Targets: overhead_ratio <= 0.15, sync_share <= 0.05. The figures before
 issue 29's changes (`BEFORE`, measured with this script at commit e7ae4c8 on the same machine)
 are printed next to them.
 """
@@ -159,11 +163,23 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def critic_ratio(rows: list[dict]) -> tuple[float, str]:
+    """(critic_ratio, a line of its parts) of the median step (by the ratio) of a gae run."""
+
+    def ratio(r):
+        return (r["timing_s/values"] + r["timing_s/update_critic"]) / r["timing_s/update_actor"]
+
+    row = sorted(rows, key=ratio)[(len(rows) - 1) // 2]
+    parts = " ".join(f"{k}={row['timing_s/' + k]:.3f}" for k in ("values", "update_critic", "update_actor"))
+    return ratio(row), f"critic (gae run, median of {len(rows)} steps, seconds): {parts}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(REPO / "examples" / "quickstart" / "config.yaml"))
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median kept)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--gae-steps", type=int, default=None, help="timed steps of the gae run (0: none)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
@@ -173,10 +189,21 @@ def main() -> None:
     memory = TreeMemory(interval_s=0.5).start()
     rows = run_steps(args.config, args.overrides, args.warmup, args.steps)
     peak = memory.stop()
+    gae_steps = args.steps if args.gae_steps is None else args.gae_steps
+    critic = ""
+    if gae_steps > 0:
+        gae_rows = run_steps(
+            args.config, [*args.overrides, "algorithm.adv_estimator=gae"], args.warmup, gae_steps
+        )
+        value, line = critic_ratio(gae_rows[args.warmup :])
+        print(line)
+        critic = f" critic_ratio={value:.3f}"
     step_s = median_row(rows[args.warmup :])["timing_s/step"]
     rss, pss = peak["perf/peak_rss_sum_gb"], peak["perf/peak_pss_sum_gb"]
     print(f"before (e7ae4c8): step_s={BEFORE['step_s']:.3f} tree_rss_gb={BEFORE['tree_rss_gb']:.2f}")
-    print(f"{report(rows[args.warmup :])} step_s={step_s:.3f} tree_rss_gb={rss:.2f} tree_pss_gb={pss:.2f}")
+    print(
+        f"{report(rows[args.warmup :])} step_s={step_s:.3f} tree_rss_gb={rss:.2f} tree_pss_gb={pss:.2f}{critic}"
+    )
 
 
 if __name__ == "__main__":

@@ -213,17 +213,39 @@ def verify_checkpoint(ckpt_dir: str | Path, *, hashes: bool = True) -> dict:
 
 
 @torch.no_grad()
-def load_checkpoint(ckpt_dir: str | Path, chunks: list, arch: ModelArch, *, verify: bool = True) -> dict:
+def load_checkpoint(
+    ckpt_dir: str | Path,
+    chunks: list,
+    arch: ModelArch,
+    *,
+    verify: bool = True,
+    skip_prefix: str = "",
+    model_dir: str = MODEL_DIR,
+) -> dict:
     """Collective: load a checkpoint's weights into this rank's chunks (any saved layout).
 
-    Verifies the manifest first (`verify=False` checks sizes only). Returns meta.json.
+    Verifies the manifest first (`verify=False` checks sizes only). `skip_prefix`: parameters
+    under it are neither read nor required (a critic loading an actor's checkpoint keeps its own
+    value head, `output_layer.`); every other one must be loaded. `model_dir`: the folder of the
+    weights inside the checkpoint. Returns meta.json.
     """
     from megatron.core import dist_checkpointing
 
     meta = verify_checkpoint(ckpt_dir, hashes=verify)
     check_arch(meta, arch, str(ckpt_dir))
     sharded = model_sharded_state_dict(chunks)
-    loaded = dist_checkpointing.load(sharded, str(Path(ckpt_dir) / MODEL_DIR))
+    if skip_prefix:
+        sharded = {
+            c: {k: v for k, v in d.items() if not k.startswith(skip_prefix)} for c, d in sharded.items()
+        }
+    loaded = dist_checkpointing.load(sharded, str(Path(ckpt_dir) / model_dir))
     for i, chunk in enumerate(chunks):
-        unwrap(chunk).load_state_dict(loaded[f"chunk{i}"], strict=True)
+        result = unwrap(chunk).load_state_dict(loaded[f"chunk{i}"], strict=not skip_prefix)
+        if skip_prefix and (
+            result.unexpected_keys or [k for k in result.missing_keys if not k.startswith(skip_prefix)]
+        ):
+            raise RuntimeError(
+                f"{ckpt_dir}: loading chunk {i} left {result.missing_keys} missing and "
+                f"{result.unexpected_keys} unexpected (only {skip_prefix}* may be missing)"
+            )
     return meta

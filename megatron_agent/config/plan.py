@@ -26,6 +26,8 @@ class RunPlan:
     """The tiny model the run makes at `model_path` when `model.path` is empty ('' otherwise)."""
     uses_reference: bool
     """A frozen reference model is built and its log-probs computed (a KL term or the KL guard)."""
+    uses_critic: bool
+    """A critic (value model) is built and trained: `algorithm.adv_estimator=gae`."""
     rollout_is: str
     """The rollout IS weights the loss uses: 'none', 'token' or 'sequence' (`algorithm.rollout_is`,
     'auto' resolved: 'token' with an off-policy correction or an FP8 rollout, else 'none')."""
@@ -104,6 +106,7 @@ def old_logprobs_from_update(cfg: Config) -> bool:
         and a.ppo_epochs == 1
         and num_mini_batches(cfg) == 1
         and not algo.kl_reward_coef
+        and not (algo.adv_estimator == "gae" and cfg.trainer.critic_warmup)  # steps without an update
     )
 
 
@@ -131,6 +134,7 @@ def make_plan(cfg: Config) -> RunPlan:
         model_path=cfg.model.path or str(run_dir / "base_model"),
         tiny_family="" if cfg.model.path else cfg.model.tiny_family,
         uses_reference=uses_reference(cfg),
+        uses_critic=cfg.algorithm.adv_estimator == "gae",
         rollout_is=rollout_is(cfg),
         rollout_is_mode=rollout_is_mode(cfg),
         mode=cfg.trainer.mode,

@@ -122,10 +122,10 @@ class RolloutConfig:
 class AlgorithmConfig:
     """Advantage estimation, KL and the policy loss."""
 
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"] = (
-        "grpo"
-    )
-    """Advantage estimator (gae arrives with the PPO critic)."""
+    adv_estimator: Literal[
+        "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gae"
+    ] = "grpo"
+    """Advantage estimator; 'gae' trains a critic (the `critic` section) and is PPO's."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
@@ -155,7 +155,11 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (False gives Dr.GRPO)."""
     gamma: Fraction = 1.0
-    """Discount of reinforce_plus_plus."""
+    """Discount of reinforce_plus_plus and gae."""
+    lam: Fraction = 1.0
+    """GAE's lambda (the actor's advantages)."""
+    lam_critic: Fraction | None = None
+    """GAE's lambda for the critic's returns (None: `lam`)."""
     loss_agg_horizon: NonNegativeInt = 0
     """Constant horizon of seq-mean-token-sum-norm (Dr.GRPO); 0 means the maximum response length."""
     kl_reward_estimator: KLEstimator = "k1"
@@ -237,6 +241,29 @@ class ActorConfig:
     """Global gradient-norm clip (0: off)."""
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer (optimizer state sharded over data-parallel ranks)."""
+
+
+@dataclass
+class CriticConfig:
+    """The PPO critic (`algorithm.adv_estimator=gae`): a value model built like the actor, on the
+    actor's ranks and layout, from the actor's starting weights with a new value head."""
+
+    lr: NonNegativeFloat = 1e-5
+    """Peak learning rate."""
+    lr_warmup_steps: NonNegativeInt = 0
+    """Optimizer steps of linear warmup from 0 to `lr`."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: 'constant', 'linear' or 'cosine' decay to `min_lr` at the last optimizer step."""
+    min_lr: NonNegativeFloat = 0.0
+    """Learning rate at the end of the decay."""
+    weight_decay: NonNegativeFloat = 0.0
+    """AdamW weight decay."""
+    grad_clip: NonNegativeFloat = 1.0
+    """Global gradient-norm clip (0: off)."""
+    ppo_epochs: PositiveInt = 1
+    """Passes of the critic over each step's rollouts (the actor's mini-batches)."""
+    cliprange_value: PositiveFloat = 0.5
+    """A value may move this far from the rollout's value before the clip stops its gradient."""
 
 
 @dataclass
@@ -363,6 +390,8 @@ class TrainerConfig:
     """Write rollouts/step_{N:06d}.jsonl each step."""
     resume: str = "auto"
     """'auto' (newest complete checkpoint in the run folder), 'never', or a checkpoint folder."""
+    critic_warmup: NonNegativeInt = 0
+    """First RL steps in which only the critic trains (the actor waits; algorithm.adv_estimator=gae)."""
     deterministic: bool = False
     """Bitwise-repeatable rollouts and updates on CPU for the same seed: per-request sampling seeds
     from (step, trajectory uid, turn), a lockstep engine schedule and an empty prefix cache at
@@ -469,6 +498,8 @@ class Config:
     """RL algorithm."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """Actor optimisation."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The PPO critic (algorithm.adv_estimator=gae)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Datasets."""
     tools: ToolsConfig = field(default_factory=ToolsConfig)

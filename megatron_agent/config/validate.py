@@ -46,6 +46,11 @@ def _check_sizes(cfg: Config) -> list[str]:
         )
     if a.min_lr > a.lr:
         problems.append(f"actor.min_lr={a.min_lr:g} exceeds actor.lr={a.lr:g}: the decay ends below the peak")
+    c = cfg.critic
+    if cfg.algorithm.adv_estimator == "gae" and c.min_lr > c.lr:
+        problems.append(
+            f"critic.min_lr={c.min_lr:g} exceeds critic.lr={c.lr:g}: the decay ends below the peak"
+        )
     return problems
 
 
@@ -89,6 +94,11 @@ def _check_async(cfg: Config) -> list[str]:
     """Asynchronous RL needs an off-policy correction; the correction needs IS weights."""
     algo, problems = cfg.algorithm, []
     if cfg.trainer.mode == "async":
+        if algo.adv_estimator == "gae":
+            problems.append(
+                "trainer.mode=async with algorithm.adv_estimator=gae: the critic runs in sync mode only "
+                "for now; use trainer.mode=sync or a critic-free estimator (grpo, rloo, ...)"
+            )
         if not algo.off_policy_loss:
             problems.append(
                 "trainer.mode=async needs an off-policy correction: set algorithm.off_policy_loss=decoupled "

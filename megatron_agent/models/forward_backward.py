@@ -135,6 +135,21 @@ def _head_processor(mb: MicroBatch, *, true_vocab_size: int, with_entropy: bool,
     return processor
 
 
+def _value_processor(mb: MicroBatch):
+    """GPTModel output_processor of a value model: values [B, S-1] (fp32, 0 at invalid
+    positions) from the value head (models/value_model.py)."""
+
+    def processor(hidden_states, output_layer, output_weight, **_):
+        values_SB, _ = output_layer(hidden_states[:-1])
+        return torch.where(mb.valid_BT, values_SB.transpose(0, 1), 0.0), None
+
+    return processor
+
+
+HEADS = ("logprobs", "values")
+"""What a forward pass computes: the policy's log-probs, or a value model's values."""
+
+
 def forward_backward(
     chunks: list,
     micro_batches: list[MicroBatch],
@@ -144,11 +159,14 @@ def forward_backward(
     forward_only: bool = False,
     with_entropy: bool = False,
     chunk_tokens: int = 1024,
+    head: str = "logprobs",
 ) -> list[dict]:
     """Run the pipeline schedule over `micro_batches`.
 
     forward_only without `loss_fn` returns, on the last pipeline stage, one dict per micro-batch
-    with `logprobs` (and `entropy`) [B, S-1] in fp32 (zeros at invalid positions). With `loss_fn`,
+    with `logprobs` (and `entropy`) [B, S-1] in fp32 (zeros at invalid positions), or `values`
+    for `head="values"` (a value model; `loss_fn` then gets the values in place of log-probs and
+    None for the entropy). With `loss_fn`,
     its metrics are returned instead, and (unless forward_only) gradients are accumulated into
     the model's grad buffers. The losses of the micro-batches are SUMMED, never divided by the
     number of micro-batches or data-parallel ranks: `loss_fn` normalises by global counts (see
@@ -160,17 +178,23 @@ def forward_backward(
     if not config.calculate_per_token_loss:
         raise AssertionError("models must be built with calculate_per_token_loss=True (see models.build)")
 
+    if head not in HEADS:
+        raise ValueError(f"head={head!r}: choose one of {HEADS}")
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        processor = _head_processor(
-            mb, true_vocab_size=true_vocab_size, with_entropy=with_entropy, chunk_tokens=chunk_tokens
-        )
+        if head == "values":
+            processor = _value_processor(mb)
+        else:
+            processor = _head_processor(
+                mb, true_vocab_size=true_vocab_size, with_entropy=with_entropy, chunk_tokens=chunk_tokens
+            )
         output = model(mb.input_ids_BS, mb.position_ids_BS, None, output_processor=processor)
 
         def loss_func(output_tensor):
             logp_BT, entropy_BT = output_tensor
             if loss_fn is None:
-                result = {"logprobs": logp_BT.detach(), "dummy": mb.dummy, "micro_batch": mb}
+                result = {head: logp_BT.detach(), "dummy": mb.dummy, "micro_batch": mb}
                 if entropy_BT is not None:
                     result["entropy"] = entropy_BT.detach()
                 return logp_BT.sum() * 0.0, torch.tensor(1, dtype=torch.int), result

@@ -37,13 +37,17 @@ class OptimConfig:
 
 
 class MegatronModel:
-    """This rank's part of a Megatron GPT model (actor or reference) built from an HF checkpoint."""
+    """This rank's part of a Megatron GPT model (actor, reference or critic) built from an HF
+    checkpoint. `head`: 'logprobs' (a policy) or 'values' (a critic, models/value_model.py)."""
 
-    def __init__(self, chunks: list, arch: ModelArch, opts: BuildOptions, *, trainable: bool):
+    def __init__(
+        self, chunks: list, arch: ModelArch, opts: BuildOptions, *, trainable: bool, head: str = "logprobs"
+    ):
         self.chunks = chunks
         self.arch = arch
         self.opts = opts
         self.trainable = trainable
+        self.head = head
         self.optimizer = None
         self._offloaded = False
 
@@ -106,6 +110,14 @@ class MegatronModel:
         )
         return logp
 
+    def values(
+        self, sequences: Sequence[Sequence[int]], *, max_tokens: int = 4096
+    ) -> list[torch.Tensor] | None:
+        """A critic's per-sequence fp32 values of the states before tokens 1..L-1 ([L-1] each),
+        on the last pipeline stage; None elsewhere."""
+        values, _ = self.forward_only(sequences, max_tokens=max_tokens)
+        return values
+
     def forward_only(
         self,
         sequences: Sequence[Sequence[int]],
@@ -114,7 +126,8 @@ class MegatronModel:
         with_entropy: bool = False,
         chunk_tokens: int = 1024,
     ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-        """(log-probs, entropies or None), [L-1] fp32 each, on the last pipeline stage; (None, None) elsewhere."""
+        """(log-probs, entropies or None), [L-1] fp32 each, on the last pipeline stage; (None, None)
+        elsewhere. A critic gives (values, None)."""
         from megatron.core import parallel_state as ps
 
         self.onload()
@@ -127,12 +140,15 @@ class MegatronModel:
                 micro_batches,
                 true_vocab_size=self.true_vocab_size,
                 forward_only=True,
-                with_entropy=with_entropy,
+                with_entropy=with_entropy and self.head == "logprobs",
                 chunk_tokens=chunk_tokens,
+                head=self.head,
             )
         if not ps.is_pipeline_last_stage():
             return None, None
-        logp = gather_per_sequence(outputs, "logprobs", len(sequences))
+        logp = gather_per_sequence(outputs, self.head, len(sequences))
+        if self.head == "values":
+            return logp, None
         entropy = gather_per_sequence(outputs, "entropy", len(sequences)) if with_entropy else None
         return logp, entropy
 
@@ -167,8 +183,9 @@ class MegatronModel:
             micro_batches,
             true_vocab_size=self.true_vocab_size,
             loss_fn=loss_fn,
-            with_entropy=with_entropy,
+            with_entropy=with_entropy and self.head == "logprobs",
             chunk_tokens=chunk_tokens,
+            head=self.head,
         )
         if skip_step:
             return outputs, {"grad_norm": float("nan"), "update_successful": False}

@@ -110,6 +110,7 @@ def compute_advantages(
     norm_by_std: bool = True,
     baseline_rewards_B: torch.Tensor | None = None,
     whiten_gae: bool = True,
+    lam_critic: float | None = None,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns [B, T] (fp32, 0 at masked positions) for one rollout batch.
@@ -123,7 +124,9 @@ def compute_advantages(
       remax                         returns-to-go minus `baseline_rewards_B` (the greedy
                                     rollout's reward of each row).
       gae                           GAE(`gamma`, `lam`) with `values_BT`; whitened unless
-                                    `whiten_gae=False`. Returns are advantages + values.
+                                    `whiten_gae=False`. Returns (the critic's targets) are
+                                    values + GAE(`gamma`, `lam_critic`), `lam_critic`
+                                    defaulting to `lam`.
     Outcome estimators (grpo, rloo, rpp-baseline) return the broadcast advantage as returns;
     reinforce_plus_plus and remax return the (unwhitened) returns-to-go.
     """
@@ -181,4 +184,6 @@ def compute_advantages(
     if values_BT.shape != mask.shape:
         raise ValueError(f"values_BT {tuple(values_BT.shape)} does not match the rewards {tuple(mask.shape)}")
     adv_BT, returns_BT = _gae(rewards, values_BT.float(), mask, gamma, lam)
+    if lam_critic is not None and lam_critic != lam:
+        returns_BT = _gae(rewards, values_BT.float(), mask, gamma, lam_critic)[1]
     return (_whiten(adv_BT, mask, eps) if whiten_gae else adv_BT), returns_BT

@@ -21,6 +21,7 @@ DUMP_FIELDS = (
     "old_logprobs",
     "ref_logprobs",
     "advantages",
+    "values",
     "reward",
     "num_turns",
     "tool_calls",
@@ -28,7 +29,8 @@ DUMP_FIELDS = (
     "weight_version",
     "policy_versions",
 )
-"""Keys of every dump object, in order (DESIGN.md). old/ref logprobs and advantages may be null."""
+"""Keys of every dump object, in order (DESIGN.md). old/ref logprobs, advantages and values (the
+critic's, in a gae run) may be null."""
 
 
 def rollout_dump_path(run_dir: str | os.PathLike, step: int) -> Path:

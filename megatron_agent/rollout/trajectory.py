@@ -127,7 +127,8 @@ class Trajectory:
         return sum(s is source for s in self.token_source)
 
     def to_dump(self, **extra: Any) -> dict:
-        """The rollout-dump JSON object (DESIGN.md); `extra` fills old/ref logprobs and advantages."""
+        """The rollout-dump JSON object (DESIGN.md); `extra` fills old/ref logprobs, advantages
+        and the critic's values (a gae run)."""
         row = {
             "uid": self.uid,
             "prompt_ids": self.prompt_ids,
@@ -138,6 +139,7 @@ class Trajectory:
             "old_logprobs": None,
             "ref_logprobs": None,
             "advantages": None,
+            "values": None,
             "reward": self.reward,
             "num_turns": self.num_turns,
             "tool_calls": [c.to_dict() for c in self.tool_calls],

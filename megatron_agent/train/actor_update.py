@@ -79,6 +79,31 @@ def shard_logprobs(
     return indices, [t.cpu() for t in logp], None if entropy is None else [t.cpu() for t in entropy]
 
 
+def zero_grads(model) -> None:
+    """Train mode and zeroed gradient buffers before a forward-backward of `model`."""
+    for chunk in model.chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    model.optimizer.zero_grad()
+
+
+def guarded_step(model, guard: StepGuard, scheduler, step_index: int, outputs: list[dict]):
+    """The guard's decision on optimizer step `step_index` (the micro-batches' losses and the
+    gradients in Megatron's buffers), then the optimizer and schedule step unless it skips.
+    Returns (decision, grad norm; NaN when skipped). Every rank gets the same decision."""
+    losses = [out["loss"] for out in outputs if "loss" in out]
+    grads = [
+        p.main_grad for c in model.chunks for p in c.parameters() if getattr(p, "main_grad", None) is not None
+    ]
+    decision = guard.check(step_index, loss=losses or None, grads=grads)
+    grad_norm = float("nan")
+    if not decision.skip:
+        _, norm_value, _ = model.optimizer.step()
+        grad_norm = float(norm_value) if norm_value is not None else float("nan")
+        scheduler.step(1)
+    return decision, grad_norm
+
+
 class PPOUpdate:
     """The actor's optimisation for RL steps: PPO epochs over mini-batches, the guard, the LR schedule."""
 
@@ -162,10 +187,7 @@ class PPOUpdate:
             )
             return loss, metrics
 
-        for chunk in self.model.chunks:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.model.optimizer.zero_grad()
+        zero_grads(self.model)
         outputs = forward_backward(
             self.model.chunks,
             micro_batches,
@@ -174,20 +196,10 @@ class PPOUpdate:
             with_entropy=use_entropy or self.old_from_update,
             chunk_tokens=self.chunk_tokens,
         )
-        losses = [out["loss"] for out in outputs if "loss" in out]
-        grads = [
-            p.main_grad
-            for c in self.model.chunks
-            for p in c.parameters()
-            if getattr(p, "main_grad", None) is not None
-        ]
-        decision = self.guard.check(self.optimizer_steps, loss=losses or None, grads=grads)
+        decision, grad_norm = guarded_step(
+            self.model, self.guard, self.scheduler, self.optimizer_steps, outputs
+        )
         self.optimizer_steps += 1
-        grad_norm = float("nan")
-        if not decision.skip:
-            _, norm_value, _ = self.model.optimizer.step()
-            grad_norm = float(norm_value) if norm_value is not None else float("nan")
-            self.scheduler.step(1)
         if info.reports:
             for out in outputs:
                 for key, value in out.items():

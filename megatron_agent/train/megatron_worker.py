@@ -48,21 +48,41 @@ def optimizer_config(cfg: Config):
     )
 
 
-def scheduler_options(cfg: Config, total_optimizer_steps: int) -> dict:
-    """Keyword arguments of the actor's `OptimizerParamScheduler` for a run of `total_optimizer_steps`."""
+def critic_optimizer_config(cfg: Config):
+    """The critic's `OptimConfig` (the `critic` section; sharding as the actor's)."""
+    from megatron_agent.models.policy import OptimConfig
+
+    c = cfg.critic
+    return OptimConfig(
+        lr=c.lr,
+        weight_decay=c.weight_decay,
+        grad_clip=c.grad_clip,
+        use_distributed_optimizer=cfg.actor.use_distributed_optimizer,
+    )
+
+
+def scheduler_options(cfg: Config, total_optimizer_steps: int, section: str = "actor") -> dict:
+    """Keyword arguments of the `OptimizerParamScheduler` of the actor (the `actor` section), or
+    of the critic (`section="critic"`), for a run of `total_optimizer_steps`."""
+    if section == "critic":
+        c = cfg.critic
+        return _schedule(c.lr, c.min_lr, c.lr_warmup_steps, c.lr_decay, c.weight_decay, total_optimizer_steps)
     a = cfg.actor
-    decay = a.lr_decay  # a Literal of the config: checked when it was loaded
-    min_lr = a.min_lr if decay != "constant" else a.lr
+    return _schedule(a.lr, a.min_lr, a.lr_warmup_steps, a.lr_decay, a.weight_decay, total_optimizer_steps)
+
+
+def _schedule(lr: float, min_lr: float, warmup: int, decay: str, weight_decay: float, total: int) -> dict:
+    # `decay` is a Literal of the config: checked when it was loaded
     return dict(
-        init_lr=0.0 if a.lr_warmup_steps else a.lr,
-        max_lr=a.lr,
-        min_lr=min_lr,
-        lr_warmup_steps=a.lr_warmup_steps,
-        lr_decay_steps=max(total_optimizer_steps, a.lr_warmup_steps + 1),
+        init_lr=0.0 if warmup else lr,
+        max_lr=lr,
+        min_lr=min_lr if decay != "constant" else lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total, warmup + 1),
         lr_decay_style=decay,
-        start_wd=a.weight_decay,
-        end_wd=a.weight_decay,
-        wd_incr_steps=max(total_optimizer_steps, 1),
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=max(total, 1),
         wd_incr_style="constant",
     )
 
@@ -87,6 +107,23 @@ def ppo_update(cfg: Config, plan: RunPlan, model, scheduler, *, console: bool):
     )
 
 
+def critic_update(cfg: Config, model, total_optimizer_steps: int, *, console: bool):
+    """The critic's update: its own guard (reports under `<run_dir>/critic/guard`), its LR schedule
+    over the same optimizer steps as the actor's."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_agent.rl import StepGuard
+    from megatron_agent.train.critic_update import CriticUpdate
+
+    options = scheduler_options(cfg, total_optimizer_steps, "critic")
+    for group in model.optimizer.param_groups:  # as for the actor (MegatronWorker.make_update)
+        group["max_lr"], group["min_lr"] = options["max_lr"], options["min_lr"]
+    guard = StepGuard.from_config(cfg.algorithm, Path(cfg.trainer.run_dir) / "critic")
+    guard.console = console
+    scheduler = OptimizerParamScheduler(model.optimizer, **options)
+    return CriticUpdate(model, cfg.critic, guard, scheduler, micro_batch_tokens=cfg.actor.micro_batch_tokens)
+
+
 def rollout_dtype(cfg: Config) -> torch.dtype:
     """The dtype the rollout engines serve (`model.dtype`): what the weight sync sends."""
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.model.dtype]
@@ -104,6 +141,7 @@ class MegatronWorker:
         self.plan = RunPlan.from_dict(plan_dict)
         self.drills = Drills(DrillPlan.from_config(self.cfg))  # no-ops unless debug.* is set
         self.actor = self.ref = self.update = self.sender = None
+        self.critic = self.critic_update = None
         self.info = None
 
     def ping(self) -> int:
@@ -146,6 +184,7 @@ class MegatronWorker:
         opts = build_options(cfg)
         self.model_path = model_path = self.plan.model_path
         self.actor = self._new_actor(opts)
+        self.critic = self._new_critic(opts) if self.plan.uses_critic else None
         # Without a KL term the reference is never read: it is not built.
         self.ref = policy_from_hf(model_path, opts, trainable=False) if self.plan.uses_reference else None
         if init_from:
@@ -167,6 +206,12 @@ class MegatronWorker:
         # or the checkpoint was just written by this run
         for model in (m for m in (self.actor, self.ref) if m is not None):
             load_checkpoint(ckpt_dir, model.chunks, model.arch, verify=False)
+        if self.critic is not None:  # the transformer of the actor's checkpoint, its own head
+            from megatron_agent.models.value_model import HEAD_PREFIX
+
+            load_checkpoint(
+                ckpt_dir, self.critic.chunks, self.critic.arch, verify=False, skip_prefix=HEAD_PREFIX
+            )
 
     # --------------------------------------------------------------------------------- RL
     def make_update(self, total_optimizer_steps: int) -> None:
@@ -180,6 +225,9 @@ class MegatronWorker:
             group["max_lr"], group["min_lr"] = options["max_lr"], options["min_lr"]
         scheduler = OptimizerParamScheduler(self.actor.optimizer, **options)
         self.update = ppo_update(self.cfg, self.plan, self.actor, scheduler, console=self.rank == 0)
+        if self.critic is not None:
+            steps = self.cfg.trainer.total_steps * self.cfg.critic.ppo_epochs * self.plan.num_mini_batches
+            self.critic_update = critic_update(self.cfg, self.critic, steps, console=self.rank == 0)
 
     def logprobs(
         self, sequences: list[list[int]], with_old: bool = True, with_ref: bool = True
@@ -224,6 +272,26 @@ class MegatronWorker:
             sums["captured"] = self.update.captured  # old log-probs and entropy of this forward
         return sums if self.info.reports else None
 
+    def values(self, sequences: list[list[int]]) -> dict | None:
+        """The critic's values of this replica's share (before the update), and their timing."""
+        import time
+
+        from megatron_agent.train.critic_update import shard_values
+
+        start = time.perf_counter()
+        indices, values = shard_values(
+            self.critic, sequences, micro_batch_tokens=self.cfg.actor.micro_batch_tokens
+        )
+        if not self.info.reports:
+            return None
+        return {"indices": indices, "values": values, "timing_s/values": time.perf_counter() - start}
+
+    def train_critic(self, batch, mini_batch_indices: list[list[int]], step: int) -> dict | None:
+        """The critic's update of one RL step; metric sums on reporting ranks, None elsewhere."""
+        sums = self.critic_update.run(batch, mini_batch_indices)
+        sums["critic/lr"] = self.critic_update.current_lr()
+        return sums if self.info.reports else None
+
     def _decode(self, token_id: int) -> str:
         if not hasattr(self, "_tokenizer"):
             from transformers import AutoTokenizer
@@ -257,9 +325,20 @@ class MegatronWorker:
 
         return policy_from_hf(self.model_path, opts, trainable=True, optim=optimizer_config(self.cfg))
 
+    def _new_critic(self, opts):
+        """The critic from `self.model_path` (a new value head, seeded by `trainer.seed`) with a
+        fresh optimizer (the `critic` section)."""
+        from megatron_agent.build_policy import critic_from_hf
+
+        return critic_from_hf(
+            self.model_path, opts, optim=critic_optimizer_config(self.cfg), seed=self.cfg.trainer.seed
+        )
+
     def restart_from(self, ckpt_dir: str) -> None:
-        """Actor (with a fresh optimizer) and reference both from `ckpt_dir` (after SFT)."""
+        """Actor (with a fresh optimizer), reference and critic from `ckpt_dir` (after SFT)."""
         self.actor = self._new_actor(self.actor.opts)
+        if self.critic is not None:
+            self.critic = self._new_critic(self.actor.opts)
         self._load_weights(ckpt_dir)
         self.sender = None
 
@@ -308,6 +387,18 @@ class MegatronWorker:
         def write_optimizer(folder):
             save_optimizer(self.actor, folder)
 
+        def write_critic(folder):  # weights, optimizer, schedule and guard of the critic
+            from megatron.core import dist_checkpointing
+
+            from megatron_agent.checkpoint.model_io import model_sharded_state_dict
+
+            for sub in ("model", "optim"):
+                (folder / sub).mkdir(exist_ok=True)
+            dist_checkpointing.save(model_sharded_state_dict(self.critic.chunks), str(folder / "model"))
+            save_optimizer(self.critic, folder / "optim")
+            if self.rank == 0:
+                torch.save(trainer_state(self.critic_update), folder / "update.pt")
+
         def write_trainer(folder):
             torch.save(rng_state(), folder / f"rng_rank{self.rank:05d}.pt")
             if self.rank == 0:
@@ -325,7 +416,11 @@ class MegatronWorker:
                 hf_dir=hf_dir,
                 overwrite=True,
                 extra_meta={"step": driver_state["step"], "run_state": True},
-                extra_writers={"optim": write_optimizer, STATE_DIR: write_trainer},
+                extra_writers={
+                    "optim": write_optimizer,
+                    STATE_DIR: write_trainer,
+                    **({"critic": write_critic} if self.critic is not None else {}),
+                },
             )
         except BaseException as exc:  # torch's CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -355,5 +450,16 @@ class MegatronWorker:
         load_optimizer(self.actor, Path(ckpt_dir) / "optim")
         folder = Path(ckpt_dir) / STATE_DIR
         load_trainer_state(self.update, torch.load(folder / "worker.pt", weights_only=False))
+        if self.critic is not None:
+            critic = Path(ckpt_dir) / "critic"
+            if not critic.is_dir():
+                raise FileNotFoundError(
+                    f"{ckpt_dir} holds no critic: it was saved by a run without algorithm.adv_estimator=gae"
+                )
+            load_checkpoint(
+                ckpt_dir, self.critic.chunks, self.critic.arch, verify=False, model_dir="critic/model"
+            )
+            load_optimizer(self.critic, critic / "optim")
+            load_trainer_state(self.critic_update, torch.load(critic / "update.pt", weights_only=False))
         set_rng_state(folder / f"rng_rank{self.rank:05d}.pt", seed=self.cfg.trainer.seed + self.rank)
         return int(meta["step"])

@@ -54,6 +54,18 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ),
 )
 
+VALUE_PANEL = (
+    "value (critic)",
+    "",
+    (
+        ("critic/vf_loss", "value loss"),
+        ("critic/vf_explained_var", "explained variance"),
+        ("critic/values/mean", "mean value"),
+        ("critic/returns/mean", "mean return"),
+    ),
+)
+"""Added when a critic runs (algorithm.adv_estimator=gae)."""
+
 LOG_SCALE_PANELS = ("rollout vs trainer log-prob",)
 """Panels drawn on a log y-axis when all their values are positive (they span decades)."""
 
@@ -72,11 +84,13 @@ def plot_metrics(rows: Sequence[Mapping[str, float]], path: str | Path, title: s
     from matplotlib.ticker import MaxNLocator
 
     path = Path(path)
+    panels = PANELS + ((VALUE_PANEL,) if any("critic/vf_loss" in r for r in rows) else ())
+    columns = math.ceil(len(panels) / 2)
     # Fixed margins: constrained layout would double the drawing time.
-    fig = Figure(figsize=(18, 8), dpi=100)
+    fig = Figure(figsize=(4.5 * columns, 8), dpi=100)
     fig.subplots_adjust(left=0.045, right=0.99, bottom=0.07, top=0.9, wspace=0.2, hspace=0.22)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 4, sharex=True).ravel()
+    axes = fig.subplots(2, columns, sharex=True).ravel()
     last_step = rows[-1]["step"] if rows else None
     heading = f"{title}  (step {last_step})" if title else f"step {last_step}"
     sft_rows = [r for r in rows if r["step"] < 0]
@@ -90,11 +104,13 @@ def plot_metrics(rows: Sequence[Mapping[str, float]], path: str | Path, title: s
         heading += "    shaded: SFT steps (logged as -N..-1)"
     fig.suptitle(heading, fontsize=13)
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax, (panel_title, ylabel, series) in zip(axes, PANELS):
+    for ax, (panel_title, ylabel, series) in zip(axes, panels):
         _draw_panel(ax, rows, panel_title, ylabel, series)
         if first_step < 0:
             ax.axvspan(first_step - 0.5, -0.5, color="gray", alpha=0.12, linewidth=0)
-    for ax in axes[4:]:
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)  # an odd number of panels leaves one cell empty
+    for ax in axes[columns:]:
         ax.set_xlabel("step")
     tmp = path.with_name(path.name + ".tmp")
     fig.savefig(tmp, format="png")

@@ -4,10 +4,12 @@
                   refills tied groups)                                      `collect_rollouts`
     scored batch  the training batch with its rewards (overlong penalty)    `scored_batch`
     log-probs     old (actor) and reference log-probs, forward only         `Trainer.logprobs`
+    values        the critic's values, forward only (gae)                   `Trainer.values`
     advantages    KL in the reward, advantages; the rollout IS weights      `advantages`,
                   when configured (the loss uses them)                      `importance_weights`
-    update        PPO epochs over mini-batches (the guard before every optimizer step)
-                                                                            `Trainer.train`
+    critic        the critic's epochs towards the returns (gae)             `Trainer.train_critic`
+    update        PPO epochs over mini-batches (the guard before every optimizer step; none in
+                  the first `trainer.critic_warmup` steps of a gae run)     `Trainer.train`
     metrics       the rollout-vs-trainer mismatch (always after the update), batch statistics
     sync          the weights into the rollout engines (verified)           `Trainer.sync`
 
@@ -38,6 +40,7 @@ from megatron_agent.rl import (
     rollout_is_weights,
     staleness_metrics,
 )
+from megatron_agent.rl.value_loss import explained_variance
 from megatron_agent.rollout import rollout_metrics, write_rollout_dump
 from megatron_agent.train.batch import (
     RLBatch,
@@ -96,6 +99,9 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
         tensors, timings = t.logprobs(batch)  # old_logp, entropy (unless from the update), ref_logp
         batch.tensors.update(tensors)
         m.update(timings)
+        if t.plan.uses_critic:
+            batch.tensors["values"], timings = t.values(batch)
+            m.update(timings)
         mask_BT = batch.padded("loss_mask")
         with timer(m, "adv"):
             adv = advantages(t, batch, rollouts, mask_BT, m)
@@ -109,10 +115,16 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
                 m.update(is_m)
 
         num_mini = min(t.plan.num_mini_batches, len(set(batch.group_ids)))
-        with timer(m, "update_actor"):
-            update_m, tensors = t.train(batch, mini_batches(batch, num_mini), step)
-            batch.tensors.update(tensors)  # old_logp, entropy: from the update's forward when on-policy
-            m.update(update_m)
+        if t.plan.uses_critic:
+            batch.set_padded("returns", adv.returns_BT)
+            with timer(m, "update_critic"):
+                m.update(t.train_critic(batch, mini_batches(batch, num_mini), step))
+            m.update(critic_stats(batch, mask_BT, adv))
+        if not (t.plan.uses_critic and step <= t.cfg.trainer.critic_warmup):
+            with timer(m, "update_actor"):
+                update_m, tensors = t.train(batch, mini_batches(batch, num_mini), step)
+                batch.tensors.update(tensors)  # old_logp, entropy: from the update's forward when on-policy
+                m.update(update_m)
         with timer(m, "adv"):
             if t.plan.rollout_is != "none" and not weights_now:  # the loss computed them itself
                 m.update(
@@ -172,7 +184,7 @@ def advantages(t: Trainer, batch: RLBatch, rollouts: Rollouts, mask_BT: torch.Te
         )
         m["critic/kl_reward"], m["critic/kl_coef"] = float(kl_m["kl_reward"]), t.kl_ctrl.value
         t.kl_ctrl.update(m["critic/kl_reward"], len(batch))
-    remax = algo.adv_estimator == "remax"
+    remax, gae = algo.adv_estimator == "remax", algo.adv_estimator == "gae"
     adv_BT, returns_BT = compute_advantages(
         algo.adv_estimator,
         rewards_BT,
@@ -181,6 +193,9 @@ def advantages(t: Trainer, batch: RLBatch, rollouts: Rollouts, mask_BT: torch.Te
         gamma=algo.gamma,
         norm_by_std=algo.norm_adv_by_std,
         baseline_rewards_B=greedy_baseline(t, rollouts.group_ids, rollouts.group_tasks) if remax else None,
+        values_BT=batch.padded("values") if gae else None,
+        lam=algo.lam,
+        lam_critic=algo.lam_critic,
     )
     return Advantages(adv_BT, returns_BT)
 
@@ -273,6 +288,17 @@ def batch_stats(batch: RLBatch, mask_BT, advantages: Advantages) -> dict[str, fl
     return stats
 
 
+def critic_stats(batch: RLBatch, mask_BT, advantages: Advantages) -> dict[str, float]:
+    """The critic's values before the update against the step's returns, over the loss tokens of
+    the whole batch: `critic/values/mean` and `critic/vf_explained_var`."""
+    mask = mask_BT.bool()
+    values, returns = batch.padded("values")[mask], advantages.returns_BT[mask]
+    return {
+        "critic/values/mean": float(values.mean()) if values.numel() else 0.0,
+        "critic/vf_explained_var": explained_variance(values, returns),
+    }
+
+
 def dump_fields(batch: RLBatch, trajectories: list) -> list[dict]:
     """Per-trajectory old/ref log-probs and advantages over the response tokens (for the dump)."""
     rows = []
@@ -285,6 +311,7 @@ def dump_fields(batch: RLBatch, trajectories: list) -> list[dict]:
                     ("old_logprobs", "old_logp"),
                     ("ref_logprobs", "ref_logp"),
                     ("advantages", "advantages"),
+                    ("values", "values"),
                 )
                 if name in batch.tensors  # ref_logprobs stays null when no reference ran
             }

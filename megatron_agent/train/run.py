@@ -297,7 +297,10 @@ class Run:
         done = restore_driver_state(trainer, run_log, state)
         saver.last_saved = done
         saver.num_errors = int(state["history"][-1].get("checkpoint/save_errors", 0))
-        trainer.actor_version = done + 1  # as if steps 1..done had synced (the sync labels it)
+        # As if the actor updates of steps 1..done had synced (the sync labels it); a gae run's
+        # first `trainer.critic_warmup` steps did not update the actor.
+        warmup = min(done, self.cfg.trainer.critic_warmup) if self.plan.uses_critic else 0
+        trainer.actor_version = done - warmup + 1
         trainer.sync()
         self.startup.add("resume", time.perf_counter() - resume_start)
         self._started()

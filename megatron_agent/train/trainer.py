@@ -338,6 +338,25 @@ class Trainer:
         ]
         return tensors, {k: max(r[k] for r in results) for k in names}
 
+    def values(self, batch: RLBatch) -> tuple[list, dict[str, float]]:
+        """The critic's values of the batch's sequences before the update (per-sequence rows over
+        the targets, like the log-probs), and `timing_s/values`."""
+        results = [r for r in self.actors.call("values", batch.sequences) if r is not None]
+        rows = gather_rows(batch, "values", [(r["indices"], r["values"]) for r in results])
+        return rows, {"timing_s/values": max(r["timing_s/values"] for r in results)}
+
+    def train_critic(
+        self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int
+    ) -> dict[str, float]:
+        """The critic's update (its metrics combined over the replicas, update_metrics.py)."""
+        import ray
+
+        ref = ray.put(batch)
+        results = [
+            r for r in self.actors.call("train_critic", ref, mini_batch_indices, step) if r is not None
+        ]
+        return combine_replicas(results)
+
     def train(
         self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int
     ) -> tuple[dict[str, float], dict[str, list]]:

@@ -40,6 +40,13 @@ UPDATE_METRICS: dict[str, Reduction] = {
     "n_tokens": Reduction("sum", "sum"),
     "n_optimizer_steps": COUNT,
     "guard/skipped": COUNT,  # optimizer steps skipped in this RL step
+    # the critic's update (train/critic_update.py), combined over its own steps and tokens
+    "critic/vf_loss": SUM_PER_STEP,
+    "critic/vf_clipfrac": SUM_PER_TOKEN,  # tokens where the value clip binds
+    "critic/vpred_mean": SUM_PER_TOKEN,
+    "critic/grad_norm": Reduction("sum", "first", "steps"),
+    "critic/lr": LATEST,
+    "critic/guard_skipped": COUNT,
 }
 PREFIX_RULES: dict[str, Reduction] = {"guard/": LATEST}  # the guard's running totals and maxima
 BOOKKEEPING = ("n_tokens", "n_optimizer_steps")  # used for the division, not reported

@@ -102,12 +102,15 @@ def _megatron_name_by_hf(arch: ModelArch) -> dict[str, str]:
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: list, arch: ModelArch, model_path: str | Path, *, impl: str = "local") -> int:
+def load_hf_weights(
+    chunks: list, arch: ModelArch, model_path: str | Path, *, impl: str = "local", own_prefixes: tuple = ()
+) -> int:
     """Fill this rank's model chunks from an HF checkpoint, in place. Returns the parameters set.
 
-    Every parameter of every chunk must be filled: `CheckpointMismatchError` names missing,
-    unexpected or wrongly shaped tensors before or while reading, `UnfilledParameterError` names
-    parameters the mapping table does not cover.
+    Every parameter of every chunk must be filled, except those under `own_prefixes` (which the
+    caller initialises itself: a value model's `output_layer.`): `CheckpointMismatchError` names
+    missing, unexpected or wrongly shaped tensors before or while reading,
+    `UnfilledParameterError` names parameters the mapping table does not cover.
     """
     from megatron.core import parallel_state as ps
 
@@ -121,6 +124,8 @@ def load_hf_weights(chunks: list, arch: ModelArch, model_path: str | Path, *, im
         for chunk in chunks:
             params = dict(chunk.named_parameters())
             for local_name, rule, layer in chunk_param_rules(chunk, arch, impl):
+                if local_name.startswith(own_prefixes) and own_prefixes:
+                    continue
                 _, hf_names = rule.fill(layer)
                 param = params[local_name]
                 concrete = ParamRule(local_name, hf_names, rule.kind)  # errors name real tensors
@@ -133,7 +138,9 @@ def load_hf_weights(chunks: list, arch: ModelArch, model_path: str | Path, *, im
         f"chunk{i}.{name}"
         for i, chunk in enumerate(chunks)
         for name, param in chunk.named_parameters()
-        if id(param) not in filled and param.numel()  # an empty tensor holds no stale memory
+        if id(param) not in filled
+        and param.numel()  # an empty tensor holds no stale memory
+        and not (own_prefixes and name.startswith(own_prefixes))
     ]
     if unfilled:
         raise UnfilledParameterError(

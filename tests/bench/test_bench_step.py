@@ -2,7 +2,8 @@
 
 A small run of `bench/step.py` (2 prompts x 2 samples of at most 16 tokens, one warm-up and one
 timed step); the ratios are not asserted against their targets (timing belongs to the
-benchmark), only that the table is complete, its shares close to 1 and the last line parses.
+benchmark), only that the table is complete, its shares close to 1 and the last line parses
+(with the gae run's critic_ratio).
 """
 
 import re
@@ -34,12 +35,16 @@ def test_step_benchmark_prints_every_phase_and_the_ratios():
     last = out.strip().splitlines()[-1]
     match = re.fullmatch(
         r"overhead_ratio=(\d+\.\d+) sync_share=(\d+\.\d+) step_s=(\d+\.\d+) tree_rss_gb=(\d+\.\d+) "
-        r"tree_pss_gb=(\d+\.\d+)",
+        r"tree_pss_gb=(\d+\.\d+) critic_ratio=(\d+\.\d+)",
         last,
     )
     assert match, last
     overhead, sync_share = float(match.group(1)), float(match.group(2))
-    step_s, rss_gb, pss_gb = (float(match.group(i)) for i in (3, 4, 5))
+    step_s, rss_gb, pss_gb, critic = (float(match.group(i)) for i in (3, 4, 5, 6))
+    parts = re.search(r"values=(\d+\.\d+) update_critic=(\d+\.\d+) update_actor=(\d+\.\d+)", out)
+    assert parts, out  # the gae run's median step, whose parts give the ratio
+    v, c, a = (float(parts.group(i)) for i in (1, 2, 3))
+    assert critic == pytest.approx((v + c) / a, abs=2e-3) and critic > 0
     assert step_s == pytest.approx(seconds["step"], abs=1e-3)  # the median step of the table
     # the driver, Ray, a Megatron rank and an engine each hold torch: well over 1 GB in all
     assert 1.0 < pss_gb <= rss_gb < 20.0, last

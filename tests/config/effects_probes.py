@@ -75,6 +75,31 @@ def probe_optimizer(cfg, plan, env):
     }
 
 
+def probe_critic(cfg, plan, env):
+    """The critic's optimizer and schedule, its epochs (the real `CriticUpdate.run` loop over
+    recorded optimizer steps) and its clipped value loss on a fixed batch."""
+    from megatron_agent.rl.value_loss import clipped_value_loss
+    from megatron_agent.train.critic_update import CriticUpdate
+    from megatron_agent.train.megatron_worker import critic_optimizer_config, scheduler_options
+
+    update = CriticUpdate(None, cfg.critic, None, None, micro_batch_tokens=cfg.actor.micro_batch_tokens)
+    update._optimizer_step = lambda batch, indices: {"n_optimizer_steps": 1.0}
+    batch = fixed_batch()
+    mask = batch.padded("loss_mask").bool()
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(mask.shape, generator=g)
+    values, returns = old + 0.8 * torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+    loss, sums = clipped_value_loss(
+        values, old, returns, mask, cliprange_value=cfg.critic.cliprange_value, normalizer=float(mask.sum())
+    )
+    return {
+        "optim": dataclasses.asdict(critic_optimizer_config(cfg)),
+        "scheduler": scheduler_options(cfg, plan.total_optimizer_steps, "critic"),
+        "steps": update.run(batch, [[0], [1]]),
+        "loss": {"loss": loss, **sums},
+    }
+
+
 def probe_engine(cfg, plan, env):
     from megatron_agent.rollout.factory import engine_kwargs
 

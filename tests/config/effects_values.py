@@ -53,6 +53,12 @@ VALUES: dict[str, object] = {
     "algorithm.entropy_coef": 0.01,
     "algorithm.log_ratio_clamp": 0.5,
     "algorithm.gamma": 0.5,
+    "algorithm.lam": 0.9,
+    "algorithm.lam_critic": 0.8,
+    "critic.min_lr": 1e-6,
+    "critic.lr_warmup_steps": 2,
+    "critic.weight_decay": 0.01,
+    "trainer.critic_warmup": 1,
     "algorithm.loss_agg_horizon": 100,
     "algorithm.kl_reward_estimator": "k3",
     "algorithm.kl_target": 0.5,
@@ -136,6 +142,17 @@ CONTEXT: dict[str, list[str]] = {
     "algorithm.kl_target": ["algorithm.kl_ctrl=adaptive", "algorithm.kl_reward_coef=0.1"],
     "algorithm.kl_horizon": ["algorithm.kl_ctrl=adaptive", "algorithm.kl_reward_coef=0.1"],
     "algorithm.gamma": ["algorithm.adv_estimator=reinforce_plus_plus"],
+    "algorithm.lam": ["algorithm.adv_estimator=gae"],
+    "algorithm.lam_critic": ["algorithm.adv_estimator=gae"],
+    "trainer.critic_warmup": ["algorithm.adv_estimator=gae"],
+    **{
+        f"critic.{name}": [
+            "algorithm.adv_estimator=gae",
+            *(["critic.lr_decay=linear"] if name == "min_lr" else []),
+        ]
+        for name in ("lr", "lr_warmup_steps", "lr_decay", "min_lr", "weight_decay", "grad_clip", "ppo_epochs")
+        + ("cliprange_value",)
+    },
     "algorithm.loss_agg_horizon": ["algorithm.loss_agg_mode=seq-mean-token-sum-norm"],
     "algorithm.rollout_is_cap": ["algorithm.rollout_is=token"],
     "algorithm.rollout_is_mode": ["algorithm.rollout_is=token", "algorithm.rollout_is_cap=1.01"],

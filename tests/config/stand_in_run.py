@@ -92,6 +92,22 @@ class FakeRank:
             "timing_s/ref": 0.0,
         }
 
+    def values(self, sequences):
+        if self.rank:
+            return None
+        rows = [0.1 * torch.arange(len(s) - 1, dtype=torch.float32) for s in sequences]
+        return {"indices": list(range(len(sequences))), "values": rows, "timing_s/values": 0.0}
+
+    def train_critic(self, batch, mini_batch_indices, step):
+        if self.rank:
+            return None
+        return {
+            "critic/vf_loss": 0.1,
+            "n_tokens": float(sum(m.sum() for m in batch.tensors["loss_mask"])),
+            "n_optimizer_steps": float(len(mini_batch_indices)),
+            "critic/lr": 1e-5,
+        }
+
     def train(self, batch, mini_batch_indices, step):
         if self.rank:
             return None

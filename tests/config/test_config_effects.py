@@ -11,6 +11,7 @@ The probes, cheapest first (a field is decided by the first that differs):
 
 - `plan`: `make_plan`; `cadence`: the steps `Validator.due` and `Saver.due` act after;
 - `build_options`, `optimizer` (`optimizer_config`, `scheduler_options`): what the Megatron ranks build;
+- `critic`: the critic's optimizer, schedule, epochs (`CriticUpdate.run`) and value loss on a fixed batch;
 - `engine` (`engine_kwargs`), `agent_loop` (`agent_loop_config`), `tools` (`build_toolset`, its tools
   called on fixed inputs or, for `python`, their limits);
 - `update`: `ppo_update`'s `PPOUpdate` (its micro-batches and objective on a fixed batch); `guard`: its
@@ -44,6 +45,7 @@ from tests.config.effects_probes import (
     probe_agent_loop,
     probe_build_options,
     probe_cadence,
+    probe_critic,
     probe_drills,
     probe_engine,
     probe_guard,
@@ -62,6 +64,7 @@ PROBES = [
     ("cadence", probe_cadence),
     ("build_options", probe_build_options),
     ("optimizer", probe_optimizer),
+    ("critic", probe_critic),
     ("engine", probe_engine),
     ("agent_loop", probe_agent_loop),
     ("kl", probe_kl),

@@ -70,7 +70,8 @@ def test_model_settings_reach_the_build_options():
         ("rollout.quantization=fp8", "rollout.quantization='fp8' needs a CUDA GPU"),
         ("model.fp8=e4m3", "config key 'model.fp8'='e4m3': choose one of '', delayed, tensorwise"),
         ("actor.lr_decay=step", "config key 'actor.lr_decay'='step': choose one of constant, linear, cosine"),
-        ("algorithm.adv_estimator=gae", "choose one of grpo, rloo"),
+        ("algorithm.adv_estimator=vtrace", "choose one of grpo, rloo"),
+        ("algorithm.adv_estimator=gae trainer.mode=async", "the critic runs in sync mode only"),
         ("model.logprob_chunk_tokens=0", "model.logprob_chunk_tokens=0 must be >= 1"),
     ],
 )
@@ -80,7 +81,7 @@ def test_settings_that_cannot_work_here_are_refused_at_load(override, message):
     if "needs" in message and torch.cuda.is_available():
         pytest.skip("a GPU is present: these settings can work")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(None, [override])
+        load_config(None, override.split())
 
 
 ASYNC = ["trainer.mode=async", "algorithm.off_policy_loss=decoupled"]

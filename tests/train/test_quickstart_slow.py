@@ -1,6 +1,7 @@
 """The quickstart learns: validation accuracy at the last step is >= 0.15 above step 0 (after SFT),
-for two seeds, synchronous and asynchronous (eta = 1, the decoupled loss). Slow (the whole
-`make run` job four times); run with `make test-slow`."""
+for two seeds, synchronous and asynchronous (eta = 1, the decoupled loss), and with PPO's critic
+(examples/quickstart/ppo.yaml). Slow (the whole `make run` job six times); run with
+`make test-slow`."""
 
 import json
 import os
@@ -13,6 +14,7 @@ from tests.conftest import REPO, quickstart_train_cmd
 MODES = {
     "sync": [],
     "async": ["trainer.mode=async", "async.max_staleness=1", "algorithm.off_policy_loss=decoupled"],
+    "ppo": [],  # with examples/quickstart/ppo.yaml
 }
 
 
@@ -24,6 +26,8 @@ def test_quickstart_validation_accuracy_rises(tmp_path, seed, mode):
     cmd = quickstart_train_cmd(
         run_dir, f"trainer.seed={seed}", f"sft.seed={7 + seed}", f"data.seed={1234 + seed}", *MODES[mode]
     )
+    if mode == "ppo":
+        cmd[cmd.index("examples/quickstart/config.yaml")] = "examples/quickstart/ppo.yaml"
     proc = subprocess.run(
         cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=3600
     )

@@ -1,0 +1,115 @@
+"""What one Megatron rank computes for the critic (`algorithm.adv_estimator=gae`): values before
+the update, and the critic's update with its own guard and LR schedule.
+
+Like the actor's (actor_update.py): every rank of the world runs it at once, each data-parallel
+replica takes its share of the sequences, the loss is normalised by the loss tokens all-reduced
+over the data-parallel group, metrics come back as sums from the reporting ranks. The critic
+trains on the actor's mini-batches, `critic.ppo_epochs` times, towards the returns of the step's
+GAE, with the clipped value loss of rl/value_loss.py around the values the rollout was scored
+with. Its guard checks the loss and the gradients before every optimizer step: a non-finite one
+skips the step on every rank (weights and optimizer state unchanged) and writes a report.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_agent.models.forward_backward import forward_backward, make_micro_batches
+from megatron_agent.rl import StepGuard
+from megatron_agent.rl.aggregate import global_batch_counts
+from megatron_agent.rl.value_loss import clipped_value_loss
+from megatron_agent.train.actor_update import guarded_step, parallel_info, zero_grads
+from megatron_agent.train.batch import RLBatch, dp_shard
+from megatron_agent.train.update_metrics import accumulate
+
+
+@torch.no_grad()
+def shard_values(
+    model, sequences: list[list[int]], *, micro_batch_tokens: int
+) -> tuple[list[int], list | None]:
+    """Forward-only values of this DP rank's share of `sequences`: (indices of the share, values
+    [L-1] each on the last pipeline stage, else None)."""
+    info = parallel_info()
+    indices = dp_shard(list(range(len(sequences))), info.dp_rank, info.dp_size)
+    values = model.values([sequences[i] for i in indices], max_tokens=micro_batch_tokens)
+    return indices, None if values is None else [v.cpu() for v in values]
+
+
+class CriticUpdate:
+    """The critic's optimisation for RL steps: epochs over mini-batches, the guard, the LR schedule."""
+
+    def __init__(self, model, critic, guard: StepGuard, scheduler, *, micro_batch_tokens: int):
+        """`critic`: the config section; `micro_batch_tokens`: the actor's token budget."""
+        self.model, self.critic, self.guard, self.scheduler = model, critic, guard, scheduler
+        self.micro_batch_tokens = micro_batch_tokens
+        self.optimizer_steps = 0
+
+    def run(self, batch: RLBatch, mini_batch_indices: list[list[int]]) -> dict:
+        """Every epoch over every mini-batch; metric sums (last stage, TP rank 0) or {}."""
+        totals: dict[str, float] = {}
+        for _ in range(self.critic.ppo_epochs):
+            for indices in mini_batch_indices:
+                accumulate(totals, self._optimizer_step(batch, indices))  # update_metrics.py
+        return totals
+
+    def _optimizer_step(self, batch: RLBatch, indices: list[int]) -> dict:
+        from megatron.core import parallel_state as ps
+
+        from megatron_agent.platform.setup import device
+
+        info = parallel_info()
+        sub = batch.select(dp_shard(indices, info.dp_rank, info.dp_size))
+        keys = ("loss_mask", "values", "returns")
+        micro_batches = make_micro_batches(
+            sub.sequences,
+            max_tokens=self.micro_batch_tokens,
+            extras={k: sub.tensors[k] for k in keys},
+            device=device(),
+        )
+        counts = global_batch_counts(
+            [mb.extras["loss_mask"].bool() for mb in micro_batches], group=ps.get_data_parallel_group()
+        )
+
+        def loss_fn(mb, values_BT, _):
+            mask = mb.extras["loss_mask"].bool() & mb.valid_BT
+            loss, sums = clipped_value_loss(
+                values_BT,
+                mb.extras["values"],
+                mb.extras["returns"],
+                mask,
+                cliprange_value=self.critic.cliprange_value,
+                normalizer=counts.num_tokens,
+            )
+            return loss, {
+                "critic/vf_loss": loss.detach(),
+                "critic/vf_clipfrac": sums["vf_clipped_sum"],
+                "critic/vpred_mean": sums["vpred_sum"],
+                "n_tokens": mask.sum().float(),
+            }
+
+        zero_grads(self.model)
+        outputs = forward_backward(
+            self.model.chunks,
+            micro_batches,
+            true_vocab_size=self.model.true_vocab_size,
+            loss_fn=loss_fn,
+            head="values",
+        )
+        decision, grad_norm = guarded_step(
+            self.model, self.guard, self.scheduler, self.optimizer_steps, outputs
+        )
+        self.optimizer_steps += 1
+        sums: dict[str, float] = {}
+        if info.reports:
+            for out in outputs:
+                for key, value in out.items():
+                    if key.startswith("critic/") or key == "n_tokens":
+                        sums[key] = sums.get(key, 0.0) + float(value)
+            sums["critic/grad_norm"] = grad_norm
+            sums["critic/guard_skipped"] = float(decision.skip)
+            sums["n_optimizer_steps"] = 1.0
+        return sums
+
+    def current_lr(self) -> float:
+        """The learning rate of the next optimizer step."""
+        return float(self.model.optimizer.param_groups[0]["lr"])

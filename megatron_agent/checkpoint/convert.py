@@ -36,6 +36,7 @@ from megatron_agent.checkpoint.model_io import (
     finish_save,
     verify_checkpoint,
 )
+from megatron_agent.errors import InputError
 from megatron_agent.models.build import DTYPES, BuildOptions
 from megatron_agent.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config, padded_vocab_size
 from megatron_agent.weights.export import hf_tensors_from_full, is_tied_copy
@@ -241,6 +242,12 @@ def _export_groups(chunk, arch: ModelArch, params: dict) -> list[list[tuple[str,
     return groups[:1] + merged + groups[1:]
 
 
+CRITIC_MODEL_DIR = "critic/model"
+"""Where a whole-run checkpoint of a gae run keeps the critic's weights (train/megatron_worker.py)."""
+VALUE_HEAD = {"output_layer.weight": "score.weight", "output_layer.bias": "score.bias"}
+"""The critic's value head and its name in HF's `*ForTokenClassification` (num_labels=1)."""
+
+
 def megatron_to_hf(
     ckpt_dir: str | Path,
     out: str | Path,
@@ -249,11 +256,14 @@ def megatron_to_hf(
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
     verify: bool = True,
+    critic: bool = False,
 ) -> list[str]:
     """Export a checkpoint (any saved layout) to an HF folder; returns the weight file names.
 
     Runs on one process (after `init_model_parallel(1, 1)`). The output is written to a staging
-    folder and renamed to `out` when complete.
+    folder and renamed to `out` when complete. `critic=True` exports the checkpoint's critic (a
+    gae run's) instead of the actor: an HF `<Family>ForTokenClassification` with one label, its
+    `score` layer the value head, whose logits are the critic's values.
     """
 
     if dist.get_world_size() != 1:
@@ -268,15 +278,26 @@ def megatron_to_hf(
     arch = arch_from_hf_config(load_hf_config(ckpt_dir / HF_DIR))
     check_arch(meta, arch, str(ckpt_dir))
     out_dtype = DTYPES[resolve_dtype(dtype, DTYPES[meta["dtype"]], f"{ckpt_dir}")]
-    chunk = build_meta_chunks(arch, BuildOptions(tp=1, pp=1, dtype=meta["dtype"]))[0]
+    model_dir = ckpt_dir / (CRITIC_MODEL_DIR if critic else MODEL_DIR)
+    if critic and not model_dir.is_dir():
+        raise InputError(
+            f"{ckpt_dir} holds no critic ({CRITIC_MODEL_DIR}): only whole-run checkpoints of a run with "
+            "algorithm.adv_estimator=gae have one"
+        )
+    chunk = (_meta_critic_chunk if critic else build_meta_chunks)(
+        arch, BuildOptions(tp=1, pp=1, dtype=meta["dtype"])
+    )[0]
     params = dict(chunk.named_parameters())
     sharded = chunk.sharded_state_dict()
     groups = _export_groups(chunk, arch, params)
-    lm_head_copy = bool(meta.get("hf_lm_head_stored"))
+    if critic:  # the transformer, then the value head as `score`
+        groups = [[e for e in g if e[0] not in VALUE_HEAD] for g in groups]
+        groups = [g for g in groups if g] + [[(name, None, None) for name in VALUE_HEAD]]
+    lm_head_copy = bool(meta.get("hf_lm_head_stored")) and not critic
     specs = []
     for group in groups:
         for local_name, rule, layer in group:
-            for name, t in hf_tensors_from_full(rule, layer, params[local_name], arch):
+            for name, t in _hf_tensors(local_name, rule, layer, params[local_name], arch):
                 specs.append(TensorSpec(name, tuple(t.shape), out_dtype))
                 if name == "model.embed_tokens.weight" and lm_head_copy:
                     specs.append(TensorSpec("lm_head.weight", tuple(t.shape), out_dtype))
@@ -284,11 +305,13 @@ def megatron_to_hf(
     try:
         writer = ShardedSafetensorsWriter(staging, specs, parse_size(max_shard_size))
         for group in groups:
-            _export_group(group, ckpt_dir / MODEL_DIR, params, sharded, arch, writer, out_dtype, lm_head_copy)
+            _export_group(group, model_dir, params, sharded, arch, writer, out_dtype, lm_head_copy)
         files = writer.close()
         for p in hf_side_files(ckpt_dir / HF_DIR):
             shutil.copy2(p, staging / p.name)
         _set_config_dtype(staging / "config.json", out_dtype)
+        if critic:
+            _as_value_model_config(staging / "config.json")
         if checksums is not None:
             checksums.result()
         publish(staging, out, overwrite=overwrite)
@@ -312,10 +335,39 @@ def _export_group(group, model_dir, params, sharded, arch, writer, out_dtype, lm
     dist_checkpointing.load(request, str(model_dir), validate_access_integrity=False)
     del request
     for local_name, rule, layer in group:
-        for name, tensor in hf_tensors_from_full(rule, layer, reals.pop(local_name), arch):
+        for name, tensor in _hf_tensors(local_name, rule, layer, reals.pop(local_name), arch):
             writer.write(name, tensor.to(out_dtype))
             if name == "model.embed_tokens.weight" and lm_head_copy:
                 writer.write("lm_head.weight", tensor.to(out_dtype))
+
+
+def _hf_tensors(local_name: str, rule, layer, full: torch.Tensor, arch: ModelArch):
+    """(HF name, tensor) pairs of one full Megatron parameter: the mapping table's, or the value
+    head's (`rule` None)."""
+    if rule is None:
+        return [(VALUE_HEAD[local_name], full)]
+    return hf_tensors_from_full(rule, layer, full, arch)
+
+
+def _meta_critic_chunk(arch: ModelArch, opts: BuildOptions) -> list:
+    """The critic's TP1PP1 chunk on the meta device (models/value_model.py's layout)."""
+    from megatron_agent.models.value_model import ValueHead
+
+    chunks = build_meta_chunks(dataclasses.replace(arch, tied_embeddings=False), opts)
+    with torch.device("meta"):
+        chunks[0].output_layer = ValueHead(arch.hidden_size, DTYPES[opts.dtype], "meta")
+    return chunks
+
+
+def _as_value_model_config(path: Path) -> None:
+    """config.json of a `<Family>ForTokenClassification` with one label: the critic as HF loads it."""
+    cfg = json.loads(path.read_text())
+    cfg["architectures"] = [
+        a.replace("ForCausalLM", "ForTokenClassification") for a in cfg.get("architectures", [])
+    ]
+    cfg["num_labels"], cfg["id2label"], cfg["label2id"] = 1, {"0": "value"}, {"value": 0}
+    cfg["problem_type"], cfg["classifier_dropout"] = "regression", 0.0
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
+import torch
 
 from tests.conftest import REPO, quickstart_train_cmd
 
@@ -115,3 +117,45 @@ def test_the_critic_resumes_exactly(uninterrupted, tmp_path):
                 assert got[step][key] == pytest.approx(want[step][key], **TOL), (step, key)
             else:
                 assert got[step][key] == want[step][key], (step, key)
+
+
+def test_the_critic_exports_as_an_hf_token_classifier_whose_logits_are_its_values(uninterrupted, tmp_path):
+    # step_000002 holds the critic after step 2's update: the one that scored step 3's rollouts.
+    out = tmp_path / "critic_hf"
+    ckpt = uninterrupted / "checkpoints" / "step_000002"
+    cmd = [
+        sys.executable,
+        "tools/convert/megatron_to_hf.py",
+        "--ckpt",
+        str(ckpt),
+        "--out",
+        str(out),
+        "--critic",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert model.config.num_labels == 1 and model.config.architectures[0].endswith("ForTokenClassification")
+    dump = [
+        json.loads(line)
+        for line in (uninterrupted / "rollouts" / "step_000003.jsonl").read_text().splitlines()
+    ]
+    for row in dump[:2]:
+        ids = row["prompt_ids"] + row["response_ids"]
+        with torch.no_grad():
+            values = model(torch.tensor([ids])).logits[0, :, 0]
+        start = len(row["prompt_ids"]) - 1  # the value of the state before the first response token
+        torch.testing.assert_close(
+            values[start : len(ids) - 1], torch.tensor(row["values"]), rtol=0, atol=1e-4
+        )
+    # the actor's checkpoint folder of an SFT run has no critic: named, before anything starts
+    proc = subprocess.run(
+        [*cmd[:3], str(uninterrupted / "sft" / "checkpoint"), "--out", str(tmp_path / "x"), "--critic"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "holds no critic" in proc.stderr, proc.stderr[-2000:]

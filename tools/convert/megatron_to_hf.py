@@ -2,6 +2,7 @@
 
     python tools/convert/megatron_to_hf.py --ckpt CKPT --out PATH [--dtype auto|bf16|fp32] [--max-shard-size 5GB]
     python tools/convert/megatron_to_hf.py --ckpt RUN_DIR --out PATH   # the run's newest complete checkpoint
+    python tools/convert/megatron_to_hf.py --ckpt CKPT --out PATH --critic   # a gae run's critic
 
 CKPT is a checkpoint folder (a converted one, `sft`'s, or a training `step_N`); a run folder
 (`trainer.run_dir`) or a folder of `step_N` checkpoints (`checkpoint.save_dir`) means its newest
@@ -9,7 +10,9 @@ complete checkpoint. Loads from any saved TP/PP/VPP layout, verifies the checksu
 streams one layer at a time into safetensors shards (with model.safetensors.index.json when there
 are several), and restores config.json, the tokenizer and the generation config of the model the
 run started from. Padded vocabulary rows are dropped; tied embeddings are written as the source
-had them. Optimizer and trainer state are not exported. See docs/convert.md.
+had them. Optimizer and trainer state are not exported. `--critic` exports a gae run's critic
+instead (`<Family>ForTokenClassification` with one label: its logits are the values). See
+docs/convert.md and docs/ppo.md.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: the checkpoint's")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--critic", action="store_true", help="export the critic of a gae run's checkpoint")
     p.add_argument("--skip-checksums", action="store_true", help="check file sizes only, not sha256")
     args = p.parse_args(argv)
     quiet()
@@ -50,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
             "megatron_to_hf.py runs on one process (it streams): run it with python, not torchrun"
         )
     ckpt, _ = resolve_checkpoint(args.ckpt, hashes=not args.skip_checksums)
+    if args.critic and not (Path(ckpt) / "critic" / "model").is_dir():
+        raise InputError(
+            f"--critic: {ckpt} holds no critic (critic/model): only whole-run checkpoints of a run with "
+            "algorithm.adv_estimator=gae have one"
+        )
     check_out(args.out, args.overwrite)
     from megatron_agent.weights.hf_write import parse_size
 
@@ -71,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
         verify=False,  # verified above (sizes, and sha256 unless --skip-checksums)
+        critic=args.critic,
     )
     print(
         f"wrote {args.out} from {ckpt}: {len(files)} safetensors file(s) in {time.perf_counter() - start:.1f} s, {report_peak()}"

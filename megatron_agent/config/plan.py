@@ -28,6 +28,9 @@ class RunPlan:
     """A frozen reference model is built and its log-probs computed (a KL term or the KL guard)."""
     uses_critic: bool
     """A critic (value model) is built and trained: `algorithm.adv_estimator=gae`."""
+    critic_init_from: str
+    """The checkpoint whose critic the critic starts from (`critic.init_from`; '' : the actor's
+    weights and a new head)."""
     rollout_is: str
     """The rollout IS weights the loss uses: 'none', 'token' or 'sequence' (`algorithm.rollout_is`,
     'auto' resolved: 'token' with an off-policy correction or an FP8 rollout, else 'none')."""
@@ -135,6 +138,7 @@ def make_plan(cfg: Config) -> RunPlan:
         tiny_family="" if cfg.model.path else cfg.model.tiny_family,
         uses_reference=uses_reference(cfg),
         uses_critic=cfg.algorithm.adv_estimator == "gae",
+        critic_init_from=cfg.critic.init_from if cfg.algorithm.adv_estimator == "gae" else "",
         rollout_is=rollout_is(cfg),
         rollout_is_mode=rollout_is_mode(cfg),
         mode=cfg.trainer.mode,

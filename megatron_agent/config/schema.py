@@ -264,6 +264,9 @@ class CriticConfig:
     """Passes of the critic over each step's rollouts (the actor's mini-batches)."""
     cliprange_value: PositiveFloat = 0.5
     """A value may move this far from the rollout's value before the clip stops its gradient."""
+    init_from: str = ""
+    """A whole-run checkpoint of a gae run whose critic (critic/model, its head included) the
+    critic starts from, instead of the actor's weights and a new head (to skip the warm-up)."""
 
 
 @dataclass

@@ -66,6 +66,14 @@ def _check_paths(cfg: Config) -> list[str]:
             f"trainer.init_from={cfg.trainer.init_from!r} is not a checkpoint folder (no meta.json): "
             "give a folder written by `sft` or `train`"
         )
+    critic_init = cfg.critic.init_from
+    if critic_init and not (Path(critic_init) / "critic" / "model").is_dir():
+        problems.append(
+            f"critic.init_from={critic_init!r} holds no critic (no critic/model folder): give a whole-run "
+            "checkpoint (checkpoints/step_N) of a run with algorithm.adv_estimator=gae"
+        )
+    if critic_init and cfg.algorithm.adv_estimator != "gae":
+        problems.append(f"critic.init_from is set but algorithm.adv_estimator={cfg.algorithm.adv_estimator}: no critic runs")
     if cfg.trainer.resume not in ("auto", "never") and not Path(cfg.trainer.resume).is_dir():
         problems.append(
             f"trainer.resume={cfg.trainer.resume!r} is neither 'auto', 'never' nor a checkpoint folder"

@@ -189,6 +189,7 @@ class MegatronWorker:
         self.ref = policy_from_hf(model_path, opts, trainable=False) if self.plan.uses_reference else None
         if init_from:
             self._load_weights(init_from)
+        self._load_critic_init()
         if self.ref is not None and cfg.model.ref_offload:
             self.ref.offload()
         self.info = parallel_info()
@@ -325,6 +326,14 @@ class MegatronWorker:
 
         return policy_from_hf(self.model_path, opts, trainable=True, optim=optimizer_config(self.cfg))
 
+    def _load_critic_init(self) -> None:
+        """The critic of `critic.init_from` (weights and head) over the one just built."""
+        if self.critic is not None and self.plan.critic_init_from:
+            from megatron_agent.checkpoint.model_io import load_checkpoint
+
+            path = self.plan.critic_init_from
+            load_checkpoint(path, self.critic.chunks, self.critic.arch, verify=False, model_dir="critic/model")
+
     def _new_critic(self, opts):
         """The critic from `self.model_path` (a new value head, seeded by `trainer.seed`) with a
         fresh optimizer (the `critic` section)."""
@@ -340,6 +349,7 @@ class MegatronWorker:
         if self.critic is not None:
             self.critic = self._new_critic(self.actor.opts)
         self._load_weights(ckpt_dir)
+        self._load_critic_init()
         self.sender = None
 
     # --------------------------------------------------------------------------------- weights

@@ -341,8 +341,8 @@ def async_pipeline(trainer, state: dict | None):
 
 
 def check_inputs_up_front(cfg: Config, *, sft: bool) -> None:
-    """Check in the driver what the workers would read first: the `trainer.init_from` checkpoint
-    (every file against its manifest; the workers then check sizes only), when SFT runs the rows
+    """Check in the driver what the workers would read first: the `trainer.init_from` and
+    `critic.init_from` checkpoints (every file against its manifest; the workers then check sizes only), when SFT runs the rows
     of `sft.data_path`, and on a local cluster the python tool's sandbox (it fails closed) and its
     worst case against this machine's memory. Raises an `InputError` naming the file (and row)
     or the key."""
@@ -357,6 +357,8 @@ def check_inputs_up_front(cfg: Config, *, sft: bool) -> None:
 
     if cfg.trainer.init_from:
         verify_manifest(cfg.trainer.init_from)
+    if cfg.critic.init_from:
+        verify_manifest(cfg.critic.init_from)
     if sft and cfg.sft.data_path:
         rows, num_skipped = load_sft_rows(cfg.sft.data_path)
         if not rows:

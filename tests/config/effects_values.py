@@ -56,6 +56,7 @@ VALUES: dict[str, object] = {
     "algorithm.lam": 0.9,
     "algorithm.lam_critic": 0.8,
     "critic.min_lr": 1e-6,
+    "critic.init_from": "{critic_init_from}",
     "critic.lr_warmup_steps": 2,
     "critic.weight_decay": 0.01,
     "trainer.critic_warmup": 1,
@@ -145,6 +146,7 @@ CONTEXT: dict[str, list[str]] = {
     "algorithm.lam": ["algorithm.adv_estimator=gae"],
     "algorithm.lam_critic": ["algorithm.adv_estimator=gae"],
     "trainer.critic_warmup": ["algorithm.adv_estimator=gae"],
+    "critic.init_from": ["algorithm.adv_estimator=gae"],
     **{
         f"critic.{name}": [
             "algorithm.adv_estimator=gae",

@@ -31,14 +31,18 @@ def _fake_logp(sequence) -> torch.Tensor:
     return torch.tensor([-0.2 - 0.05 * (t % 5) for t in sequence[1:]], dtype=torch.float32)
 
 
-def _write_checkpoint(final: str, meta: dict, driver: dict | None = None) -> None:
-    """A complete checkpoint folder (staging, manifest, rename), as `save_checkpoint` publishes it."""
+def _write_checkpoint(final: str, meta: dict, driver: dict | None = None, *, critic: bool = False) -> None:
+    """A complete checkpoint folder (staging, manifest, rename), as `save_checkpoint` publishes it
+    (`critic`: with a gae run's critic/ folder)."""
     from megatron_agent.checkpoint.manifest import write_manifest
 
     final_path = Path(final)
     staging = final_path.parent / f".{final_path.name}.tmp-fake"
     (staging / "model").mkdir(parents=True)
     (staging / "model" / "weights").write_bytes(b"weights")
+    if critic:
+        (staging / "critic" / "model").mkdir(parents=True)
+        (staging / "critic" / "model" / "weights").write_bytes(b"critic weights")
     if driver is not None:
         (staging / "trainer").mkdir()
         (staging / "trainer" / "driver.json").write_text(json.dumps(driver))

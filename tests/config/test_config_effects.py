@@ -177,6 +177,7 @@ def lab(tmp_path_factory) -> Lab:
         "val_tasks": str(write_tasks(root / "val.jsonl", synthetic.arithmetic_tasks(2, seed=98))),
         "sft_rows": str(write_sft_rows(root / "sft.jsonl", synthetic_calculator_demos(6, 3))),
         "init_from": str(root / "init_from"),
+        "critic_init_from": str(root / "critic_init_from"),
         "blocked": str(root / "blocked"),  # a file: no checkpoint folder can be made under it
         "checkpoints": str(root / "checkpoints"),
     }
@@ -184,6 +185,7 @@ def lab(tmp_path_factory) -> Lab:
     (root / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in passages))
     files["search_index"] = str(build_search_index(root / "corpus.jsonl", root / "index"))
     _write_checkpoint(files["init_from"], {"sft_steps": 2})
+    _write_checkpoint(files["critic_init_from"], {"step": 4, "run_state": True}, critic=True)
     Path(files["blocked"]).write_text("not a folder")
     lab = Lab(root, files)
     # A run to resume from: two steps, saved after each (checkpoints/step_000001 and _000002).

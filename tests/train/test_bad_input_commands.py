@@ -101,6 +101,11 @@ CASES = [
     ("duplicate_key", "train --config {dup_yaml}", "key 'seed' is given twice (lines 2 and 4)"),
     ("task_not_utf8", "train data.train_path={not_utf8}", "{not_utf8}: row 1 skipped: not UTF-8 text"),
     ("init_from_altered", "train trainer.init_from={altered}", "weights.bin"),
+    (
+        "critic_init_from_without_a_critic",
+        "train algorithm.adv_estimator=gae critic.init_from={ckpt}",
+        "critic.init_from={ckpt!r} holds no critic",
+    ),
     ("sft_missing_data", "sft sft.steps=2 sft.data_path={root}/none.jsonl", "sft.data_path="),
     ("sft_empty_data", "sft sft.steps=2 sft.data_path={empty}", "has no usable rows"),
     ("sft_malformed_data", "sft sft.steps=2 sft.data_path={bad_sft}", "has no usable rows (2 skipped"),

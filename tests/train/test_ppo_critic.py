@@ -119,10 +119,7 @@ def test_the_critic_resumes_exactly(uninterrupted, tmp_path):
                 assert got[step][key] == want[step][key], (step, key)
 
 
-def test_the_critic_exports_as_an_hf_token_classifier_whose_logits_are_its_values(uninterrupted, tmp_path):
-    # step_000002 holds the critic after step 2's update: the one that scored step 3's rollouts.
-    out = tmp_path / "critic_hf"
-    ckpt = uninterrupted / "checkpoints" / "step_000002"
+def _export_critic(ckpt, out) -> list[str]:
     cmd = [
         sys.executable,
         "tools/convert/megatron_to_hf.py",
@@ -134,15 +131,16 @@ def test_the_critic_exports_as_an_hf_token_classifier_whose_logits_are_its_value
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return cmd
+
+
+def _assert_dumped_values_are_the_exported_critics(hf_dir, dump_path) -> None:
+    """The values a run dumped equal the HF token classifier's logits on the same ids (1e-4)."""
     from transformers import AutoModelForTokenClassification
 
-    model = AutoModelForTokenClassification.from_pretrained(str(out), dtype=torch.float32).eval()
+    model = AutoModelForTokenClassification.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     assert model.config.num_labels == 1 and model.config.architectures[0].endswith("ForTokenClassification")
-    dump = [
-        json.loads(line)
-        for line in (uninterrupted / "rollouts" / "step_000003.jsonl").read_text().splitlines()
-    ]
-    for row in dump[:2]:
+    for row in [json.loads(line) for line in dump_path.read_text().splitlines()][:2]:
         ids = row["prompt_ids"] + row["response_ids"]
         with torch.no_grad():
             values = model(torch.tensor([ids])).logits[0, :, 0]
@@ -150,6 +148,14 @@ def test_the_critic_exports_as_an_hf_token_classifier_whose_logits_are_its_value
         torch.testing.assert_close(
             values[start : len(ids) - 1], torch.tensor(row["values"]), rtol=0, atol=1e-4
         )
+
+
+def test_the_critic_exports_as_an_hf_token_classifier_whose_logits_are_its_values(uninterrupted, tmp_path):
+    # step_000002 holds the critic after step 2's update: the one that scored step 3's rollouts.
+    cmd = _export_critic(uninterrupted / "checkpoints" / "step_000002", tmp_path / "critic_hf")
+    _assert_dumped_values_are_the_exported_critics(
+        tmp_path / "critic_hf", uninterrupted / "rollouts" / "step_000003.jsonl"
+    )
     # the actor's checkpoint folder of an SFT run has no critic: named, before anything starts
     proc = subprocess.run(
         [*cmd[:3], str(uninterrupted / "sft" / "checkpoint"), "--out", str(tmp_path / "x"), "--critic"],
@@ -159,3 +165,14 @@ def test_the_critic_exports_as_an_hf_token_classifier_whose_logits_are_its_value
         timeout=120,
     )
     assert proc.returncode == 2 and "holds no critic" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_critic_init_from_starts_the_critic_from_a_checkpoints_critic(uninterrupted, tmp_path):
+    ckpt = uninterrupted / "checkpoints" / "step_000004"
+    run_dir = tmp_path / "run"
+    _run(run_dir, "trainer.total_steps=1", "trainer.critic_warmup=0", f"critic.init_from={ckpt}")
+    _export_critic(ckpt, tmp_path / "critic_hf")
+    # step 1's values come from step 4's critic, head included (a new head would differ by far)
+    _assert_dumped_values_are_the_exported_critics(
+        tmp_path / "critic_hf", run_dir / "rollouts" / "step_000001.jsonl"
+    )

@@ -73,7 +73,9 @@ def _check_paths(cfg: Config) -> list[str]:
             "checkpoint (checkpoints/step_N) of a run with algorithm.adv_estimator=gae"
         )
     if critic_init and cfg.algorithm.adv_estimator != "gae":
-        problems.append(f"critic.init_from is set but algorithm.adv_estimator={cfg.algorithm.adv_estimator}: no critic runs")
+        problems.append(
+            f"critic.init_from is set but algorithm.adv_estimator={cfg.algorithm.adv_estimator}: no critic runs"
+        )
     if cfg.trainer.resume not in ("auto", "never") and not Path(cfg.trainer.resume).is_dir():
         problems.append(
             f"trainer.resume={cfg.trainer.resume!r} is neither 'auto', 'never' nor a checkpoint folder"

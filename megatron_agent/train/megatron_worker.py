@@ -332,7 +332,9 @@ class MegatronWorker:
             from megatron_agent.checkpoint.model_io import load_checkpoint
 
             path = self.plan.critic_init_from
-            load_checkpoint(path, self.critic.chunks, self.critic.arch, verify=False, model_dir="critic/model")
+            load_checkpoint(
+                path, self.critic.chunks, self.critic.arch, verify=False, model_dir="critic/model"
+            )
 
     def _new_critic(self, opts):
         """The critic from `self.model_path` (a new value head, seeded by `trainer.seed`) with a

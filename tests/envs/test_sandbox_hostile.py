@@ -37,10 +37,10 @@ from megatron_agent.envs.tools.sandbox import find_bwrap
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_MB, TMP_MB, MAX_PROCESSES, TIMEOUT_S = 384, 16, 8, 4.0
-SLACK_MB = 64
+SLACK_MB = 96
 """What the host may lose beyond the budget per running call: what the kernel keeps for its
 processes outside the cgroup's count and the tool's pipes (measured: about 45 MiB per call with
-8 processes)."""
+8 processes on a quiet machine, up to about 70 under the CI suite)."""
 NOISE_MB = 192
 """How far /proc/meminfo moves on this kind of machine with nothing running (a VM's memory comes
 and goes: up to 150 MiB measured within seconds). The cgroup's own peak is checked exactly."""

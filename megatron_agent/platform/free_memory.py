@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_agent.platform.cgroup_paths import cgroup_mounts, own_cgroups
+
 
 def _meminfo_available() -> int | None:
     try:
@@ -17,29 +19,24 @@ def _meminfo_available() -> int | None:
 
 def _cgroup_headroom() -> int | None:
     """Limit minus usage of this process's memory cgroup (v1 or v2), None when unlimited."""
+    mounts_v1, mount_v2 = cgroup_mounts(("memory",))
+    own_v1, own_v2 = own_cgroups(("memory",))
+    if "memory" in mounts_v1 and "memory" in own_v1:
+        base, files = (
+            mounts_v1["memory"] / own_v1["memory"].lstrip("/"),
+            ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+        )
+    elif mount_v2 is not None and own_v2 is not None:
+        base, files = mount_v2 / own_v2.lstrip("/"), ("memory.max", "memory.current")
+    else:
+        return None
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        limit, usage = ((base / name).read_text().strip() for name in files)
     except OSError:
         return None
-    for line in lines:
-        _, controllers, rel = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            base, files = (
-                Path("/sys/fs/cgroup/memory") / rel.lstrip("/"),
-                ("memory.limit_in_bytes", "memory.usage_in_bytes"),
-            )
-        elif controllers == "":
-            base, files = Path("/sys/fs/cgroup") / rel.lstrip("/"), ("memory.max", "memory.current")
-        else:
-            continue
-        try:
-            limit, usage = ((base / name).read_text().strip() for name in files)
-        except OSError:
-            continue
-        if limit == "max" or int(limit) >= 1 << 60:
-            continue
-        return max(0, int(limit) - int(usage))
-    return None
+    if limit == "max" or int(limit) >= 1 << 60:
+        return None
+    return max(0, int(limit) - int(usage))
 
 
 def available_memory_bytes() -> int:

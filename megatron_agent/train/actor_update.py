@@ -60,7 +60,8 @@ def shard_logprobs(
     with_entropy: bool,
     chunk_tokens: int = 1024,
 ) -> tuple[list[int], list[torch.Tensor] | None, list[torch.Tensor] | None]:
-    """Forward-only log-probs (and entropy) of this DP rank's share of `sequences`.
+    """Forward-only log-probs (and entropy) of this DP rank's share of `sequences`; a critic's
+    values (`MegatronModel.forward_only` of a value model; no entropy).
 
     Returns (indices of the share, log-probs [L-1] each, entropy [L-1] each or None); the
     tensors only on the last pipeline stage (None elsewhere).
@@ -77,6 +78,16 @@ def shard_logprobs(
     if logp is None:
         return indices, None, None
     return indices, [t.cpu() for t in logp], None if entropy is None else [t.cpu() for t in entropy]
+
+
+def dp_loss_counts(micro_batches: list):
+    """Loss tokens and sequences of the micro-batches, summed over the data-parallel group (what
+    every replica's loss is normalised by, so the gradient does not depend on the split)."""
+    from megatron.core import parallel_state as ps
+
+    return global_batch_counts(
+        [mb.extras["loss_mask"].bool() for mb in micro_batches], group=ps.get_data_parallel_group()
+    )
 
 
 def zero_grads(model) -> None:
@@ -147,17 +158,13 @@ class PPOUpdate:
         return totals
 
     def _optimizer_step(self, batch: RLBatch, indices: list[int], step: int, decode) -> dict:
-        from megatron.core import parallel_state as ps
-
         from megatron_agent.platform.setup import device
 
         info = parallel_info()
         mine = dp_shard(indices, info.dp_rank, info.dp_size)
         sub = batch.select(mine)
         micro_batches = self.micro_batches(sub, device())
-        counts = global_batch_counts(
-            [mb.extras["loss_mask"].bool() for mb in micro_batches], group=ps.get_data_parallel_group()
-        )
+        counts = dp_loss_counts(micro_batches)
         sums = {}
         use_entropy = self.algo.entropy_coef != 0.0
 

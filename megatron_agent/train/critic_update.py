@@ -1,5 +1,5 @@
-"""What one Megatron rank computes for the critic (`algorithm.adv_estimator=gae`): values before
-the update, and the critic's update with its own guard and LR schedule.
+"""What one Megatron rank computes for the critic's update (`algorithm.adv_estimator=gae`), with
+its own guard and LR schedule (its values before the update: `actor_update.shard_logprobs`).
 
 Like the actor's (actor_update.py): every rank of the world runs it at once, each data-parallel
 replica takes its share of the sequences, the loss is normalised by the loss tokens all-reduced
@@ -12,27 +12,12 @@ skips the step on every rank (weights and optimizer state unchanged) and writes 
 
 from __future__ import annotations
 
-import torch
-
 from megatron_agent.models.forward_backward import forward_backward, make_micro_batches
 from megatron_agent.rl import StepGuard
-from megatron_agent.rl.aggregate import global_batch_counts
 from megatron_agent.rl.value_loss import clipped_value_loss
-from megatron_agent.train.actor_update import guarded_step, parallel_info, zero_grads
+from megatron_agent.train.actor_update import dp_loss_counts, guarded_step, parallel_info, zero_grads
 from megatron_agent.train.batch import RLBatch, dp_shard
 from megatron_agent.train.update_metrics import accumulate
-
-
-@torch.no_grad()
-def shard_values(
-    model, sequences: list[list[int]], *, micro_batch_tokens: int
-) -> tuple[list[int], list | None]:
-    """Forward-only values of this DP rank's share of `sequences`: (indices of the share, values
-    [L-1] each on the last pipeline stage, else None)."""
-    info = parallel_info()
-    indices = dp_shard(list(range(len(sequences))), info.dp_rank, info.dp_size)
-    values = model.values([sequences[i] for i in indices], max_tokens=micro_batch_tokens)
-    return indices, None if values is None else [v.cpu() for v in values]
 
 
 class CriticUpdate:
@@ -53,8 +38,6 @@ class CriticUpdate:
         return totals
 
     def _optimizer_step(self, batch: RLBatch, indices: list[int]) -> dict:
-        from megatron.core import parallel_state as ps
-
         from megatron_agent.platform.setup import device
 
         info = parallel_info()
@@ -66,9 +49,7 @@ class CriticUpdate:
             extras={k: sub.tensors[k] for k in keys},
             device=device(),
         )
-        counts = global_batch_counts(
-            [mb.extras["loss_mask"].bool() for mb in micro_batches], group=ps.get_data_parallel_group()
-        )
+        counts = dp_loss_counts(micro_batches)
 
         def loss_fn(mb, values_BT, _):
             mask = mb.extras["loss_mask"].bool() & mb.valid_BT

@@ -277,11 +277,11 @@ class MegatronWorker:
         """The critic's values of this replica's share (before the update), and their timing."""
         import time
 
-        from megatron_agent.train.critic_update import shard_values
+        from megatron_agent.train.actor_update import shard_logprobs
 
-        start = time.perf_counter()
-        indices, values = shard_values(
-            self.critic, sequences, micro_batch_tokens=self.cfg.actor.micro_batch_tokens
+        start = time.perf_counter()  # a value model's forward gives its values (MegatronModel.forward_only)
+        indices, values, _ = shard_logprobs(
+            self.critic, sequences, micro_batch_tokens=self.cfg.actor.micro_batch_tokens, with_entropy=False
         )
         if not self.info.reports:
             return None

@@ -11,6 +11,7 @@
     update        PPO epochs over mini-batches (the guard before every optimizer step; none in
                   the first `trainer.critic_warmup` steps of a gae run)     `Trainer.train`
     metrics       the rollout-vs-trainer mismatch (always after the update), batch statistics
+                  (train/step_stats.py)
     sync          the weights into the rollout engines (verified)           `Trainer.sync`
 
 Where old log-probs come from is decided once, in the plan (`RunPlan.old_logprobs_from_update`):
@@ -36,11 +37,9 @@ import torch
 from megatron_agent.rl import (
     apply_kl_in_reward,
     compute_advantages,
-    mismatch_metrics,
     rollout_is_weights,
     staleness_metrics,
 )
-from megatron_agent.rl.value_loss import explained_variance
 from megatron_agent.rollout import rollout_metrics, write_rollout_dump
 from megatron_agent.train.batch import (
     RLBatch,
@@ -49,6 +48,7 @@ from megatron_agent.train.batch import (
     outcome_token_rewards,
     overlong_penalty,
 )
+from megatron_agent.train.step_stats import batch_stats, critic_stats, dump_fields, mismatch
 from megatron_agent.train.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
             batch.set_padded("returns", adv.returns_BT)
             with timer(m, "update_critic"):
                 m.update(t.train_critic(batch, mini_batches(batch, num_mini), step))
-            m.update(critic_stats(batch, mask_BT, adv))
+            m.update(critic_stats(batch, mask_BT, adv.returns_BT))
         if not (t.plan.uses_critic and step <= t.cfg.trainer.critic_warmup):
             with timer(m, "update_actor"):
                 update_m, tensors = t.train(batch, mini_batches(batch, num_mini), step)
@@ -131,7 +131,7 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
                     importance_weights(batch, mask_BT, algo, t.plan.rollout_is, t.plan.rollout_is_mode)[1]
                 )
             m.update(mismatch(batch, mask_BT, algo))
-            m.update(batch_stats(batch, mask_BT, adv))
+            m.update(batch_stats(batch, mask_BT, adv.adv_BT, adv.returns_BT))
         if pipeline is not None:
             m.update(
                 staleness_metrics(
@@ -258,62 +258,3 @@ def importance_weights(
         mode=mode,
     )
     return w_BT, {f"mismatch/{k}": float(v) for k, v in is_m.items()}
-
-
-def mismatch(batch: RLBatch, mask_BT, algo) -> dict[str, float]:
-    """Rollout-vs-trainer mismatch metrics: engine vs old log-probs on the loss tokens."""
-    mm = mismatch_metrics(
-        batch.padded("rollout_logp"), batch.padded("old_logp"), mask_BT, thresholds=algo.mismatch_thresholds
-    )
-    return {f"mismatch/{k}": float(v) for k, v in mm.items()}
-
-
-def batch_stats(batch: RLBatch, mask_BT, advantages: Advantages) -> dict[str, float]:
-    """critic/* and actor/entropy statistics over the loss tokens (critic/kl when a reference ran)."""
-    mask = mask_BT.bool()
-    num = mask.sum().clamp(min=1)
-    adv, returns_BT = advantages.adv_BT[mask], advantages.returns_BT
-    entropy_BT = batch.padded("entropy")
-    stats = {
-        "critic/rewards/mean": float(batch.rewards.mean()),
-        "critic/advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
-        "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
-        "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
-        "critic/returns/mean": float(returns_BT[mask].mean()) if adv.numel() else 0.0,
-        "actor/entropy": float(torch.where(mask, entropy_BT, 0.0).sum() / num),
-    }
-    if "ref_logp" in batch.tensors:
-        kl_BT = batch.padded("old_logp") - batch.padded("ref_logp")
-        stats["critic/kl"] = float(torch.where(mask, kl_BT, 0.0).sum() / num)
-    return stats
-
-
-def critic_stats(batch: RLBatch, mask_BT, advantages: Advantages) -> dict[str, float]:
-    """The critic's values before the update against the step's returns, over the loss tokens of
-    the whole batch: `critic/values/mean` and `critic/vf_explained_var`."""
-    mask = mask_BT.bool()
-    values, returns = batch.padded("values")[mask], advantages.returns_BT[mask]
-    return {
-        "critic/values/mean": float(values.mean()) if values.numel() else 0.0,
-        "critic/vf_explained_var": explained_variance(values, returns),
-    }
-
-
-def dump_fields(batch: RLBatch, trajectories: list) -> list[dict]:
-    """Per-trajectory old/ref log-probs and advantages over the response tokens (for the dump)."""
-    rows = []
-    for b, traj in enumerate(trajectories):
-        start = len(traj.prompt_ids) - 1  # target index of the first response token
-        rows.append(
-            {
-                k: batch.tensors[name][b][start:].tolist()
-                for k, name in (
-                    ("old_logprobs", "old_logp"),
-                    ("ref_logprobs", "ref_logp"),
-                    ("advantages", "advantages"),
-                    ("values", "values"),
-                )
-                if name in batch.tensors  # ref_logprobs stays null when no reference ran
-            }
-        )
-    return rows

@@ -6,7 +6,8 @@ import torch
 
 from megatron_agent.config import load_config
 from megatron_agent.train.batch import RLBatch
-from megatron_agent.train.rl_loop import importance_weights, mismatch
+from megatron_agent.train.rl_loop import importance_weights
+from megatron_agent.train.step_stats import mismatch
 
 
 def _batch() -> RLBatch:

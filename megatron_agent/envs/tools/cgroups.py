@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_agent.platform.cgroup_paths import cgroup_mounts, own_cgroups
+
 CONTROLLERS = ("memory", "pids")
 _counter = itertools.count()
 
@@ -33,47 +35,6 @@ class Support:
     def describe(self) -> str:
         """E.g. 'cgroup v1 (memory, pids)'."""
         return f"cgroup v{self.version} ({', '.join(sorted(self.parents))})"
-
-
-def _mounts() -> tuple[dict[str, Path], Path | None]:
-    """v1 mount points by controller, and the v2 mount point (from /proc/self/mountinfo)."""
-    v1: dict[str, Path] = {}
-    v2 = None
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return v1, v2
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if len(fields) < 5 or len(tail) < 3:
-            continue
-        mount_point, fstype, options = Path(fields[4]), tail[0], tail[2].split(",")
-        if fstype == "cgroup2":
-            v2 = v2 or mount_point
-        elif fstype == "cgroup":
-            for controller in CONTROLLERS:
-                if controller in options:
-                    v1.setdefault(controller, mount_point)
-    return v1, v2
-
-
-def _own_cgroups() -> tuple[dict[str, str], str | None]:
-    """This process's cgroup path per v1 controller, and its v2 path (from /proc/self/cgroup)."""
-    v1: dict[str, str] = {}
-    v2 = None
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return v1, v2
-    for line in lines:
-        _, controllers, rel = line.split(":", 2)
-        if controllers == "":
-            v2 = rel
-        for controller in controllers.split(","):
-            if controller in CONTROLLERS:
-                v1[controller] = rel
-    return v1, v2
 
 
 def _writable(parent: Path, limit_file: str, value: str) -> bool:
@@ -99,8 +60,8 @@ def support() -> Support | None:
     v1 needs both hierarchies writable; v2 needs this process's cgroup to delegate both
     controllers to its children (`cgroup.subtree_control`), as a root or a systemd-delegated
     cgroup does."""
-    mounts_v1, mount_v2 = _mounts()
-    own_v1, own_v2 = _own_cgroups()
+    mounts_v1, mount_v2 = cgroup_mounts(CONTROLLERS)
+    own_v1, own_v2 = own_cgroups(CONTROLLERS)
     limits = {"memory": ("memory.limit_in_bytes", str(64 << 20)), "pids": ("pids.max", "8")}
     if all(c in mounts_v1 and c in own_v1 for c in CONTROLLERS):
         parents = {c: mounts_v1[c] / own_v1[c].lstrip("/") for c in CONTROLLERS}

@@ -31,6 +31,9 @@ class RunPlan:
     critic_init_from: str
     """The checkpoint whose critic the critic starts from (`critic.init_from`; '' : the actor's
     weights and a new head)."""
+    critic_layout: tuple[int, int, int, int]
+    """(tp, pp, vpp, dp) of a critic on ranks of its own (`critic.placement=separate`, zeros
+    resolved to the actor's); () when the critic is colocated with the actor or absent."""
     rollout_is: str
     """The rollout IS weights the loss uses: 'none', 'token' or 'sequence' (`algorithm.rollout_is`,
     'auto' resolved: 'token' with an off-policy correction or an FP8 rollout, else 'none')."""
@@ -63,13 +66,30 @@ class RunPlan:
     @classmethod
     def from_dict(cls, data: dict) -> RunPlan:
         """Rebuild from `to_dict` output."""
-        return cls(**{**data, "tools": tuple(data["tools"]), "synthetic_dirs": tuple(data["synthetic_dirs"])})
+        return cls(
+            **{
+                **data,
+                "tools": tuple(data["tools"]),
+                "synthetic_dirs": tuple(data["synthetic_dirs"]),
+                "critic_layout": tuple(data["critic_layout"]),
+            }
+        )
 
 
 def uses_reference(cfg: Config) -> bool:
     """True when the step needs the frozen reference's log-probs (a KL term or the KL guard)."""
     a = cfg.algorithm
     return bool(a.kl_loss_coef or a.kl_reward_coef or (a.guard_enabled and a.guard_max_abs_kl is not None))
+
+
+def critic_layout(cfg: Config) -> tuple[int, int, int, int] | tuple[()]:
+    """(tp, pp, vpp, dp) of a separate critic (`critic.*`, 0: the actor's `parallel.*`; vpp: the
+    actor's only at the actor's pipeline size); () when no critic runs on ranks of its own."""
+    c, p = cfg.critic, cfg.parallel
+    if cfg.algorithm.adv_estimator != "gae" or c.placement != "separate":
+        return ()
+    pp = c.pp or p.pp
+    return (c.tp or p.tp, pp, c.vpp or (p.vpp if pp == p.pp else 1), c.dp or p.dp)
 
 
 def num_mini_batches(cfg: Config) -> int:
@@ -139,6 +159,7 @@ def make_plan(cfg: Config) -> RunPlan:
         uses_reference=uses_reference(cfg),
         uses_critic=cfg.algorithm.adv_estimator == "gae",
         critic_init_from=cfg.critic.init_from if cfg.algorithm.adv_estimator == "gae" else "",
+        critic_layout=critic_layout(cfg),
         rollout_is=rollout_is(cfg),
         rollout_is_mode=rollout_is_mode(cfg),
         mode=cfg.trainer.mode,

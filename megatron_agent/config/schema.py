@@ -245,9 +245,23 @@ class ActorConfig:
 
 @dataclass
 class CriticConfig:
-    """The PPO critic (`algorithm.adv_estimator=gae`): a value model built like the actor, on the
-    actor's ranks and layout, from the actor's starting weights with a new value head."""
+    """The PPO critic (`algorithm.adv_estimator=gae`): a value model built like the actor, from the
+    actor's starting weights with a new value head, on the actor's ranks (`placement=colocated`)
+    or on ranks of its own with their own layout (`placement=separate`)."""
 
+    placement: Literal["colocated", "separate"] = "colocated"
+    """'colocated': the critic lives on the actor's Megatron ranks, at their layout (no extra
+    processes or GPUs); 'separate': a Ray worker group of its own (tp * pp * dp more ranks, one
+    GPU each on GPU) whose value pass and update run while the actor's run."""
+    tp: NonNegativeInt = 0
+    """Tensor-parallel size of a separate critic (0: parallel.tp)."""
+    pp: NonNegativeInt = 0
+    """Pipeline-parallel size of a separate critic (0: parallel.pp)."""
+    vpp: NonNegativeInt = 0
+    """Virtual pipeline stages of a separate critic (0: parallel.vpp when the pipeline size is the
+    actor's, else 1)."""
+    dp: NonNegativeInt = 0
+    """Data-parallel size of a separate critic (0: parallel.dp)."""
     lr: NonNegativeFloat = 1e-5
     """Peak learning rate."""
     lr_warmup_steps: NonNegativeInt = 0

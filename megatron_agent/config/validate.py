@@ -96,8 +96,21 @@ def _check_paths(cfg: Config) -> list[str]:
 
 
 def _check_parallel(cfg: Config) -> list[str]:
-    p = cfg.parallel
-    return [f"parallel.vpp={p.vpp} needs parallel.pp > 1"] if p.vpp > 1 and p.pp == 1 else []
+    p, c = cfg.parallel, cfg.critic
+    problems = [f"parallel.vpp={p.vpp} needs parallel.pp > 1"] if p.vpp > 1 and p.pp == 1 else []
+    own_layout = [f"critic.{k}={getattr(c, k)}" for k in ("tp", "pp", "vpp", "dp") if getattr(c, k)]
+    if own_layout and c.placement != "separate":
+        problems.append(
+            f"{', '.join(own_layout)} set with critic.placement={c.placement}: a colocated critic runs "
+            "on the actor's ranks at parallel.*; set critic.placement=separate for a layout of its own"
+        )
+    if c.placement == "separate" and cfg.algorithm.adv_estimator != "gae":
+        problems.append(
+            f"critic.placement=separate but algorithm.adv_estimator={cfg.algorithm.adv_estimator}: no critic runs"
+        )
+    if c.placement == "separate" and c.vpp > 1 and (c.pp or p.pp) == 1:
+        problems.append(f"critic.vpp={c.vpp} needs a critic pipeline (critic.pp > 1)")
+    return problems
 
 
 def _check_async(cfg: Config) -> list[str]:

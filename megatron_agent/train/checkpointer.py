@@ -56,7 +56,8 @@ class Saver:
         if self.pipeline is not None:
             state["async"] = self.pipeline.state_dict()  # waits for the admitted batches
         try:
-            self.trainer.actors.call("save_state", str(path), self.trainer.model_path, state)
+            staged = self._stage_critic(path)
+            self.trainer.actors.call("save_state", str(path), self.trainer.model_path, state, staged)
         except WorkerError as exc:
             return self._failed(step, path, exc)
         rotate(root, self.cfg.checkpoint.keep_last)
@@ -66,12 +67,26 @@ class Saver:
         )
         return path
 
+    def _stage_critic(self, path) -> str:
+        """A separate critic's folder of the checkpoint at `path`, written by its own ranks into
+        a staging folder next to it (a failed save's cleanup removes it); '' when colocated."""
+        if self.trainer.critics is None:
+            return ""
+        from megatron_agent.checkpoint.layout import staging_dir
+
+        return self.trainer.critics.call("save_critic", str(staging_dir(path)))[0]
+
     def _failed(self, step: int, path, exc: Exception) -> None:
         from megatron_agent.train.run_state import discard_staging, newest_complete, space_note
 
         # Every rank must be back (a rank stuck in a collective or dead: WorkerError naming it);
         # Megatron raises the cause on its coordinator rank only: collect every rank's reason.
-        reasons = [r for r in self.trainer.actors.call("last_save_error", timeout_s=120) if r]
+        reasons = [
+            r
+            for group in self.trainer.megatron_groups()
+            for r in group.call("last_save_error", timeout_s=120)
+            if r
+        ]
         discard_staging(path)
         self.num_errors += 1
         previous = newest_complete(path.parent)

@@ -18,16 +18,19 @@ import torch
 
 from megatron_agent.config import Config, RunPlan, config_from_dict
 from megatron_agent.models.build import BuildOptions
+from megatron_agent.train.critic_role import CRITIC_DIR, CriticRole
 from megatron_agent.train.drills import DrillPlan, Drills
 
 
-def build_options(cfg: Config) -> BuildOptions:
-    """How the actor and the reference are built: the parallel layout and the `model` section."""
-    p, m = cfg.parallel, cfg.model
+def build_options(cfg: Config, layout: tuple[int, ...] = ()) -> BuildOptions:
+    """How the models are built: the `model` section at the parallel layout `parallel.*`, or at
+    `layout` = (tp, pp, vpp, ...) (a separate critic's, `RunPlan.critic_layout`)."""
+    m = cfg.model
+    tp, pp, vpp = layout[:3] if layout else (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp)
     return BuildOptions(
-        tp=p.tp,
-        pp=p.pp,
-        vpp=p.vpp,
+        tp=tp,
+        pp=pp,
+        vpp=vpp,
         dtype=m.dtype,
         fp8=m.fp8,
         transformer_impl=m.transformer_impl,
@@ -45,19 +48,6 @@ def optimizer_config(cfg: Config):
         weight_decay=a.weight_decay,
         grad_clip=a.grad_clip,
         use_distributed_optimizer=a.use_distributed_optimizer,
-    )
-
-
-def critic_optimizer_config(cfg: Config):
-    """The critic's `OptimConfig` (the `critic` section; sharding as the actor's)."""
-    from megatron_agent.models.policy import OptimConfig
-
-    c = cfg.critic
-    return OptimConfig(
-        lr=c.lr,
-        weight_decay=c.weight_decay,
-        grad_clip=c.grad_clip,
-        use_distributed_optimizer=cfg.actor.use_distributed_optimizer,
     )
 
 
@@ -107,30 +97,14 @@ def ppo_update(cfg: Config, plan: RunPlan, model, scheduler, *, console: bool):
     )
 
 
-def critic_update(cfg: Config, model, total_optimizer_steps: int, *, console: bool):
-    """The critic's update: its own guard (reports under `<run_dir>/critic/guard`), its LR schedule
-    over the same optimizer steps as the actor's."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from megatron_agent.rl import StepGuard
-    from megatron_agent.train.critic_update import CriticUpdate
-
-    options = scheduler_options(cfg, total_optimizer_steps, "critic")
-    for group in model.optimizer.param_groups:  # as for the actor (MegatronWorker.make_update)
-        group["max_lr"], group["min_lr"] = options["max_lr"], options["min_lr"]
-    guard = StepGuard.from_config(cfg.algorithm, Path(cfg.trainer.run_dir) / "critic")
-    guard.console = console
-    scheduler = OptimizerParamScheduler(model.optimizer, **options)
-    return CriticUpdate(model, cfg.critic, guard, scheduler, micro_batch_tokens=cfg.actor.micro_batch_tokens)
-
-
 def rollout_dtype(cfg: Config) -> torch.dtype:
     """The dtype the rollout engines serve (`model.dtype`): what the weight sync sends."""
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.model.dtype]
 
 
-class MegatronWorker:
-    """A Megatron rank holding the actor and the reference model."""
+class MegatronRank:
+    """What every Megatron rank of a worker group has: its config and plan, liveness, and the
+    join of its torch.distributed world (one world per group)."""
 
     def __init__(self, rank: int, world_size: int, log_path: str, cfg_dict: dict, plan_dict: dict):
         from megatron_agent.train.cluster import redirect_output
@@ -139,9 +113,7 @@ class MegatronWorker:
         self.rank, self.world_size = rank, world_size
         self.cfg = config_from_dict(cfg_dict)
         self.plan = RunPlan.from_dict(plan_dict)
-        self.drills = Drills(DrillPlan.from_config(self.cfg))  # no-ops unless debug.* is set
-        self.actor = self.ref = self.update = self.sender = None
-        self.critic = self.critic_update = None
+        self.model_path = self.plan.model_path
         self.info = None
 
     def ping(self) -> int:
@@ -157,19 +129,13 @@ class MegatronWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int, init_from: str = "") -> dict:
-        """Join the torch.distributed world, build actor and reference, the optimizer and the guard.
-
-        `init_from`: a checkpoint (e.g. from `sft`) whose weights replace those of the plan's
-        model folder (`RunPlan.model_path`), for both
-        the actor and the reference. Returns this rank's parallel info.
-        """
-        from megatron_agent.build_policy import policy_from_hf
+    def _join_world(self, master_addr: str, master_port: int, layout: tuple[int, ...]) -> None:
+        """Join this group's torch.distributed world and make its model-parallel groups at
+        `layout` = (tp, pp, vpp, ...). On CPU each rank takes OMP_NUM_THREADS threads (the driver
+        shares the cores out among every Megatron rank)."""
         from megatron_agent.platform.parallel import init_model_parallel
         from megatron_agent.platform.setup import has_cuda
-        from megatron_agent.train.actor_update import parallel_info
 
-        cfg = self.cfg
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -178,13 +144,43 @@ class MegatronWorker:
             LOCAL_RANK="0",  # Ray gives each actor its own CUDA_VISIBLE_DEVICES
         )
         if not has_cuda():
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
-        p = cfg.parallel
-        init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, seed=cfg.trainer.seed)
+            threads = os.environ.get("OMP_NUM_THREADS", "")
+            torch.set_num_threads(
+                int(threads) if threads.isdigit() else max(1, (os.cpu_count() or 1) // self.world_size)
+            )
+        tp, pp, vpp = layout[:3]
+        init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=self.cfg.trainer.seed)
+
+
+class MegatronWorker(MegatronRank, CriticRole):
+    """A Megatron rank holding the actor, the frozen reference and (`critic.placement=colocated`)
+    the critic."""
+
+    def __init__(self, rank: int, world_size: int, log_path: str, cfg_dict: dict, plan_dict: dict):
+        super().__init__(rank, world_size, log_path, cfg_dict, plan_dict)
+        self.drills = Drills(DrillPlan.from_config(self.cfg))  # no-ops unless debug.* is set
+        self.actor = self.ref = self.update = self.sender = None
+
+    @property
+    def has_critic(self) -> bool:
+        """The critic lives on these ranks (a gae run with `critic.placement=colocated`)."""
+        return self.plan.uses_critic and not self.plan.critic_layout
+
+    def setup(self, master_addr: str, master_port: int, init_from: str = "") -> dict:
+        """Join the torch.distributed world, build actor and reference, the optimizer and the guard.
+
+        `init_from`: a checkpoint (e.g. from `sft`) whose weights replace those of the plan's
+        model folder (`RunPlan.model_path`), for both
+        the actor and the reference. Returns this rank's parallel info.
+        """
+        from megatron_agent.build_policy import policy_from_hf
+        from megatron_agent.train.actor_update import parallel_info
+
+        cfg, p, model_path = self.cfg, self.cfg.parallel, self.model_path
+        self._join_world(master_addr, master_port, (p.tp, p.pp, p.vpp))
         opts = build_options(cfg)
-        self.model_path = model_path = self.plan.model_path
         self.actor = self._new_actor(opts)
-        self.critic = self._new_critic(opts) if self.plan.uses_critic else None
+        self.critic = self._new_critic(opts) if self.has_critic else None
         # Without a KL term the reference is never read: it is not built.
         self.ref = policy_from_hf(model_path, opts, trainable=False) if self.plan.uses_reference else None
         if init_from:
@@ -208,11 +204,7 @@ class MegatronWorker:
         for model in (m for m in (self.actor, self.ref) if m is not None):
             load_checkpoint(ckpt_dir, model.chunks, model.arch, verify=False)
         if self.critic is not None:  # the transformer of the actor's checkpoint, its own head
-            from megatron_agent.models.value_model import HEAD_PREFIX
-
-            load_checkpoint(
-                ckpt_dir, self.critic.chunks, self.critic.arch, verify=False, skip_prefix=HEAD_PREFIX
-            )
+            self._load_critic_transformer(ckpt_dir)
 
     # --------------------------------------------------------------------------------- RL
     def make_update(self, total_optimizer_steps: int) -> None:
@@ -227,8 +219,7 @@ class MegatronWorker:
         scheduler = OptimizerParamScheduler(self.actor.optimizer, **options)
         self.update = ppo_update(self.cfg, self.plan, self.actor, scheduler, console=self.rank == 0)
         if self.critic is not None:
-            steps = self.cfg.trainer.total_steps * self.cfg.critic.ppo_epochs * self.plan.num_mini_batches
-            self.critic_update = critic_update(self.cfg, self.critic, steps, console=self.rank == 0)
+            self._make_critic_update()
 
     def logprobs(
         self, sequences: list[list[int]], with_old: bool = True, with_ref: bool = True
@@ -273,26 +264,6 @@ class MegatronWorker:
             sums["captured"] = self.update.captured  # old log-probs and entropy of this forward
         return sums if self.info.reports else None
 
-    def values(self, sequences: list[list[int]]) -> dict | None:
-        """The critic's values of this replica's share (before the update), and their timing."""
-        import time
-
-        from megatron_agent.train.actor_update import shard_logprobs
-
-        start = time.perf_counter()  # a value model's forward gives its values (MegatronModel.forward_only)
-        indices, values, _ = shard_logprobs(
-            self.critic, sequences, micro_batch_tokens=self.cfg.actor.micro_batch_tokens, with_entropy=False
-        )
-        if not self.info.reports:
-            return None
-        return {"indices": indices, "values": values, "timing_s/values": time.perf_counter() - start}
-
-    def train_critic(self, batch, mini_batch_indices: list[list[int]], step: int) -> dict | None:
-        """The critic's update of one RL step; metric sums on reporting ranks, None elsewhere."""
-        sums = self.critic_update.run(batch, mini_batch_indices)
-        sums["critic/lr"] = self.critic_update.current_lr()
-        return sums if self.info.reports else None
-
     def _decode(self, token_id: int) -> str:
         if not hasattr(self, "_tokenizer"):
             from transformers import AutoTokenizer
@@ -325,25 +296,6 @@ class MegatronWorker:
         from megatron_agent.build_policy import policy_from_hf
 
         return policy_from_hf(self.model_path, opts, trainable=True, optim=optimizer_config(self.cfg))
-
-    def _load_critic_init(self) -> None:
-        """The critic of `critic.init_from` (weights and head) over the one just built."""
-        if self.critic is not None and self.plan.critic_init_from:
-            from megatron_agent.checkpoint.model_io import load_checkpoint
-
-            path = self.plan.critic_init_from
-            load_checkpoint(
-                path, self.critic.chunks, self.critic.arch, verify=False, model_dir="critic/model"
-            )
-
-    def _new_critic(self, opts):
-        """The critic from `self.model_path` (a new value head, seeded by `trainer.seed`) with a
-        fresh optimizer (the `critic` section)."""
-        from megatron_agent.build_policy import critic_from_hf
-
-        return critic_from_hf(
-            self.model_path, opts, optim=critic_optimizer_config(self.cfg), seed=self.cfg.trainer.seed
-        )
 
     def restart_from(self, ckpt_dir: str) -> None:
         """Actor (with a fresh optimizer), reference and critic from `ckpt_dir` (after SFT)."""
@@ -387,10 +339,12 @@ class MegatronWorker:
         return ckpt_dir
 
     # --------------------------------------------------------------------------------- run state
-    def save_state(self, ckpt_dir: str, hf_dir: str, driver_state: dict) -> str:
+    def save_state(self, ckpt_dir: str, hf_dir: str, driver_state: dict, critic_staged: str = "") -> str:
         """Collective: a whole-run checkpoint (weights, optimizer, scheduler, counters, RNG), atomic.
 
         `driver_state` (step, sampler, history, ...) is written by rank 0 to trainer/driver.json.
+        `critic_staged`: the critic folder that a separate critic's ranks wrote for this
+        checkpoint (`CriticWorker.save_critic`), moved into it before its manifest is written.
         """
         from megatron_agent.checkpoint.model_io import save_checkpoint
         from megatron_agent.train.run_state import DRIVER_FILE, STATE_DIR
@@ -400,16 +354,13 @@ class MegatronWorker:
             save_optimizer(self.actor, folder)
 
         def write_critic(folder):  # weights, optimizer, schedule and guard of the critic
-            from megatron.core import dist_checkpointing
-
-            from megatron_agent.checkpoint.model_io import model_sharded_state_dict
-
+            if critic_staged:  # written by the critic's own ranks (critic.placement=separate)
+                if self.rank == 0:
+                    os.replace(critic_staged, folder)  # onto the empty folder made for it
+                return
             for sub in ("model", "optim"):
                 (folder / sub).mkdir(exist_ok=True)
-            dist_checkpointing.save(model_sharded_state_dict(self.critic.chunks), str(folder / "model"))
-            save_optimizer(self.critic, folder / "optim")
-            if self.rank == 0:
-                torch.save(trainer_state(self.critic_update), folder / "update.pt")
+            self._write_critic(folder)
 
         def write_trainer(folder):
             torch.save(rng_state(), folder / f"rng_rank{self.rank:05d}.pt")
@@ -431,7 +382,7 @@ class MegatronWorker:
                 extra_writers={
                     "optim": write_optimizer,
                     STATE_DIR: write_trainer,
-                    **({"critic": write_critic} if self.critic is not None else {}),
+                    **({CRITIC_DIR: write_critic} if self.critic is not None or critic_staged else {}),
                 },
             )
         except BaseException as exc:  # torch's CheckpointException is a BaseException
@@ -463,15 +414,6 @@ class MegatronWorker:
         folder = Path(ckpt_dir) / STATE_DIR
         load_trainer_state(self.update, torch.load(folder / "worker.pt", weights_only=False))
         if self.critic is not None:
-            critic = Path(ckpt_dir) / "critic"
-            if not critic.is_dir():
-                raise FileNotFoundError(
-                    f"{ckpt_dir} holds no critic: it was saved by a run without algorithm.adv_estimator=gae"
-                )
-            load_checkpoint(
-                ckpt_dir, self.critic.chunks, self.critic.arch, verify=False, model_dir="critic/model"
-            )
-            load_optimizer(self.critic, critic / "optim")
-            load_trainer_state(self.critic_update, torch.load(critic / "update.pt", weights_only=False))
+            self._load_critic_state(ckpt_dir)
         set_rng_state(folder / f"rng_rank{self.rank:05d}.pt", seed=self.cfg.trainer.seed + self.rank)
         return int(meta["step"])

@@ -4,10 +4,10 @@
                   refills tied groups)                                      `collect_rollouts`
     scored batch  the training batch with its rewards (overlong penalty)    `scored_batch`
     log-probs     old (actor) and reference log-probs, forward only         `Trainer.logprobs`
-    values        the critic's values, forward only (gae)                   `Trainer.values`
+    values        the critic's values, forward only (gae)                   `Trainer.submit_values`
     advantages    KL in the reward, advantages; the rollout IS weights      `advantages`,
                   when configured (the loss uses them)                      `importance_weights`
-    critic        the critic's epochs towards the returns (gae)             `Trainer.train_critic`
+    critic        the critic's epochs towards the returns (gae)             `Trainer.submit_train_critic`
     update        PPO epochs over mini-batches (the guard before every optimizer step; none in
                   the first `trainer.critic_warmup` steps of a gae run)     `Trainer.train`
     metrics       the rollout-vs-trainer mismatch (always after the update), batch statistics
@@ -96,11 +96,12 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
         m["rollout/engine_restarts"] = float(t.engine_restarts)  # cumulative over the run
         batch = scored_batch(t, rollouts)
 
+        values = t.submit_values(batch) if t.plan.uses_critic else None  # beside the log-probs when apart
         tensors, timings = t.logprobs(batch)  # old_logp, entropy (unless from the update), ref_logp
         batch.tensors.update(tensors)
         m.update(timings)
-        if t.plan.uses_critic:
-            batch.tensors["values"], timings = t.values(batch)
+        if values is not None:
+            batch.tensors["values"], timings = values.result()
             m.update(timings)
         mask_BT = batch.padded("loss_mask")
         with timer(m, "adv"):
@@ -115,16 +116,18 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
                 m.update(is_m)
 
         num_mini = min(t.plan.num_mini_batches, len(set(batch.group_ids)))
-        if t.plan.uses_critic:
+        critic_update = None
+        if t.plan.uses_critic:  # the critic's update (beside the actor's when it has ranks of its own)
             batch.set_padded("returns", adv.returns_BT)
-            with timer(m, "update_critic"):
-                m.update(t.train_critic(batch, mini_batches(batch, num_mini), step))
-            m.update(critic_stats(batch, mask_BT, adv.returns_BT))
+            critic_update = t.submit_train_critic(batch, mini_batches(batch, num_mini), step)
         if not (t.plan.uses_critic and step <= t.cfg.trainer.critic_warmup):
             with timer(m, "update_actor"):
                 update_m, tensors = t.train(batch, mini_batches(batch, num_mini), step)
                 batch.tensors.update(tensors)  # old_logp, entropy: from the update's forward when on-policy
                 m.update(update_m)
+        if critic_update is not None:
+            m.update(critic_update.result())  # with timing_s/update_critic, the critic ranks' own
+            m.update(critic_stats(batch, mask_BT, adv.returns_BT))
         with timer(m, "adv"):
             if t.plan.rollout_is != "none" and not weights_now:  # the loss computed them itself
                 m.update(

@@ -273,7 +273,7 @@ class Run:
             with self.startup.phase("sft"):
                 ckpt = run_sft(trainer, run_log, trainer.run_dir / "sft" / "checkpoint")
                 logger.info("SFT checkpoint: %s", ckpt)
-                self._restart_actors_from(trainer, str(ckpt))
+                trainer.restart_from(str(ckpt))
             saver.ref_from = str(ckpt)
         with self.startup.phase("first_sync"):
             trainer.make_update(self.plan.total_optimizer_steps)
@@ -291,9 +291,9 @@ class Run:
         resume_start = time.perf_counter()
         saver.ref_from = state.get("ref_from", "")
         if saver.ref_from:  # the reference is the SFT result: load it before the actor's state
-            self._restart_actors_from(trainer, saver.ref_from)
+            trainer.restart_from(saver.ref_from)
         trainer.make_update(self.plan.total_optimizer_steps)
-        trainer.actors.call("load_state", str(resume_dir))
+        trainer.load_state(str(resume_dir))
         done = restore_driver_state(trainer, run_log, state)
         saver.last_saved = done
         saver.num_errors = int(state["history"][-1].get("checkpoint/save_errors", 0))
@@ -306,11 +306,6 @@ class Run:
         self._started()
         print(f"resumed from {resume_dir} (step {done}); continuing at step {done + 1}")
         return done
-
-    @staticmethod
-    def _restart_actors_from(trainer, ckpt: str) -> None:
-        trainer.actors.call("restart_from", ckpt)
-        trainer.actors.call("connect_engines", trainer.engines.workers)
 
 
 def async_pipeline(trainer, state: dict | None):

@@ -21,8 +21,9 @@ from collections.abc import Iterator
 import psutil
 
 # Phases that ran at the same time as another (shown in brackets after it): Ray starts while the
-# driver reads its inputs; the Megatron ranks and the engines start together ("workers").
-CONCURRENT = {"inputs": ("ray",), "workers": ("megatron", "engines")}
+# driver reads its inputs; the Megatron ranks, a separate critic's and the engines start together
+# ("workers").
+CONCURRENT = {"inputs": ("ray",), "workers": ("megatron", "critic", "engines")}
 
 
 class StartupClock:

@@ -46,11 +46,15 @@ def make_base_model(cfg: Config, plan: RunPlan) -> str:
 
 def check_layout(cfg: Config, model_path: str) -> None:
     """Errors for a parallel layout the model at `model_path` cannot be split into (heads, layers)."""
+    from megatron_agent.config.plan import critic_layout
     from megatron_agent.models.hf_config import arch_from_hf_config, check_parallel_fit, load_hf_config
 
     p = cfg.parallel
     arch = arch_from_hf_config(load_hf_config(model_path))
     check_parallel_fit(arch, p.tp, p.pp, p.vpp, keys=("parallel.tp", "parallel.pp", "parallel.vpp"))
+    layout = critic_layout(cfg)  # a separate critic's own layout
+    if layout:
+        check_parallel_fit(arch, *layout[:3], keys=("critic.tp", "critic.pp", "critic.vpp"))
 
 
 def kl_controller(cfg: Config):
@@ -101,6 +105,7 @@ class Trainer:
         self.sampler = PromptSampler(len(self.train_tasks), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.kl_ctrl = kl_controller(cfg)
         self.actors: WorkerGroup | None = None
+        self.critics: WorkerGroup | None = None  # a critic on ranks of its own (critic.placement=separate)
         self.engines: WorkerGroup | None = None
         self.engine_restarts = 0  # engines replaced in this run (rollout/engine_restarts)
         self.weight_version = 0  # the engines' weight version after the latest sync
@@ -160,9 +165,11 @@ class Trainer:
         cluster of this process (started by the run's owner), at the same time: the engines build
         vLLM while the ranks join torch.distributed and build their models. `actor_cls`: a
         subclass of `MegatronWorker` for the ranks (tests add their RPCs that way); `engine_cls`:
-        a subclass of `RolloutWorker` for the engines (likewise).
+        a subclass of `RolloutWorker` for the engines (likewise). A critic with ranks of its own
+        (`critic.placement=separate`) starts at the same time, in a group of its own.
 
-        Returns the seconds from the start until each kind was ready ({"megatron": s, "engines": s});
+        Returns the seconds from the start until each kind was ready ({"megatron": s, "engines": s,
+        "critic": s});
         a worker that fails to start raises a `WorkerError` naming it (its kind and rank)."""
         import ray
 
@@ -177,23 +184,34 @@ class Trainer:
         begin = time.perf_counter()
         cfg_dict, plan_dict = config_to_dict(cfg), self.plan.to_dict()
         world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+        critic_layout = self.plan.critic_layout
+        critic_world = critic_layout[0] * critic_layout[1] * critic_layout[3] if critic_layout else 0
         on_gpu = torch.cuda.is_available()
         log_dir = self.run_dir / "logs"
         timeout = cfg.trainer.worker_timeout_s
         # Not malloc on huge pages (as the engines): a rank's forward then differed between two
         # processes in 1 of 5 runs (1e-7), which deterministic mode and exact resume cannot have.
-        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
-        self.actors = WorkerGroup(
-            actor_cls or MegatronWorker,
-            world,
-            name="megatron",
-            log_dir=log_dir,
-            num_cpus=0 if not on_gpu else 1,
-            num_gpus=1 if on_gpu else 0,
-            init_args=(cfg_dict, plan_dict),
-            timeout_s=timeout,
-            env_vars=env if not on_gpu else {},
-        )
+        # The cores are shared out among every Megatron rank (a separate critic's too).
+        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (world + critic_world)))}
+
+        def megatron_group(cls, size: int, name: str) -> WorkerGroup:
+            return WorkerGroup(
+                cls,
+                size,
+                name=name,
+                log_dir=log_dir,
+                num_cpus=0 if not on_gpu else 1,
+                num_gpus=1 if on_gpu else 0,
+                init_args=(cfg_dict, plan_dict),
+                timeout_s=timeout,
+                env_vars=env if not on_gpu else {},
+            )
+
+        self.actors = megatron_group(actor_cls or MegatronWorker, world, "megatron")
+        if critic_world:
+            from megatron_agent.train.critic_worker import CriticWorker
+
+            self.critics = megatron_group(CriticWorker, critic_world, "critic")
         if engines:
             engine_env = engine_process_env()
             if self.plan.mode == "async":
@@ -213,6 +231,9 @@ class Trainer:
             )
         host, port = self.actors.call("rendezvous_address", ranks=[0])[0]
         calls = {"megatron": self.actors.submit("setup", host, port, cfg.trainer.init_from)}
+        if self.critics is not None:  # its own world: its own rendezvous
+            host, port = self.critics.call("rendezvous_address", ranks=[0])[0]
+            calls["critic"] = self.critics.submit("setup", host, port, cfg.trainer.init_from)
         if engines:
             calls["engines"] = self.engines.submit("ping")  # answered once vLLM is built
         ready = finish_together(calls)
@@ -221,9 +242,37 @@ class Trainer:
             self.actors.call("connect_engines", self.engines.workers)
         return {name: at - begin for name, at in ready.items()}
 
+    @property
+    def critic_group(self) -> WorkerGroup:
+        """The ranks the critic lives on: its own (`critic.placement=separate`) or the actor's."""
+        return self.critics if self.critics is not None else self.actors
+
+    def megatron_groups(self) -> list[WorkerGroup]:
+        """The Megatron worker groups: the actor's, and a separate critic's."""
+        return [g for g in (self.actors, self.critics) if g is not None]
+
+    def on_megatron(self, method: str, *args, **kwargs) -> list:
+        """`method(*args)` on every Megatron group at once; the results of each group's call."""
+        from megatron_agent.train.cluster import finish_together
+
+        calls = {g.name: g.submit(method, *args, **kwargs) for g in self.megatron_groups()}
+        finish_together(calls)
+        return [c.result() for c in calls.values()]
+
     def make_update(self, total_optimizer_steps: int) -> None:
-        """Create the PPO update (guard, LR schedule) on every rank."""
-        self.actors.call("make_update", total_optimizer_steps)
+        """Create the PPO update (guard, LR schedule) on every rank (the critic's too)."""
+        self.on_megatron("make_update", total_optimizer_steps)
+
+    def restart_from(self, ckpt: str) -> None:
+        """Every Megatron rank's models again from `ckpt` (the SFT result), the engines reconnected."""
+        self.on_megatron("restart_from", ckpt)
+        if self.engines is not None:
+            self.actors.call("connect_engines", self.engines.workers)
+
+    def load_state(self, ckpt_dir: str) -> None:
+        """Every Megatron rank's state from a whole-run checkpoint (`MegatronWorker.load_state`,
+        a separate critic's `CriticWorker.load_state`)."""
+        self.on_megatron("load_state", ckpt_dir)
 
     def close(self) -> None:
         """Stop the workers (the Ray cluster stays: its owner stops it)."""
@@ -232,7 +281,7 @@ class Trainer:
                 self.actors.call("close_sync", timeout_s=5.0)
             except Exception:  # noqa: BLE001 - the kill below ends them anyway
                 logger.info("could not close the weight sync's shared memory")
-        for group in (self.engines, self.actors):
+        for group in (self.engines, self.critics, self.actors):
             if group is not None:
                 group.kill()
 
@@ -338,24 +387,29 @@ class Trainer:
         ]
         return tensors, {k: max(r[k] for r in results) for k in names}
 
-    def values(self, batch: RLBatch) -> tuple[list, dict[str, float]]:
-        """The critic's values of the batch's sequences before the update (per-sequence rows over
-        the targets, like the log-probs), and `timing_s/values`."""
-        results = [r for r in self.actors.call("values", batch.sequences) if r is not None]
-        rows = gather_rows(batch, "values", [(r["indices"], r["values"]) for r in results])
-        return rows, {"timing_s/values": max(r["timing_s/values"] for r in results)}
+    def submit_values(self, batch: RLBatch) -> CriticCall:
+        """Start the critic's values of the batch's sequences before the update; `.result()`:
+        (per-sequence rows over the targets, like the log-probs; `timing_s/values`). On a
+        separate critic they are computed while the driver goes on (the actor's log-probs)."""
 
-    def train_critic(
+        def finish(results):
+            results = [r for r in results if r is not None]
+            rows = gather_rows(batch, "values", [(r["indices"], r["values"]) for r in results])
+            return rows, {"timing_s/values": max(r["timing_s/values"] for r in results)}
+
+        return CriticCall(self, finish, "values", batch.sequences)
+
+    def submit_train_critic(
         self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int
-    ) -> dict[str, float]:
-        """The critic's update (its metrics combined over the replicas, update_metrics.py)."""
+    ) -> CriticCall:
+        """Start the critic's update; `.result()`: its metrics combined over the replicas
+        (update_metrics.py). A separate critic trains while the actor's update runs."""
         import ray
 
-        ref = ray.put(batch)
-        results = [
-            r for r in self.actors.call("train_critic", ref, mini_batch_indices, step) if r is not None
-        ]
-        return combine_replicas(results)
+        def finish(results):
+            return combine_replicas([r for r in results if r is not None])
+
+        return CriticCall(self, finish, "train_critic", ray.put(batch), mini_batch_indices, step)
 
     def train(
         self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int
@@ -394,6 +448,23 @@ class Trainer:
             )
         self._last_sync = metrics
         return metrics
+
+
+class CriticCall:
+    """A call on the critic's ranks. On the actor's ranks (colocated) it runs at once: the actor's
+    next call would wait behind it anyway, and its timing would include it. On ranks of its own
+    it runs while the driver goes on; `result()` waits for it."""
+
+    def __init__(self, trainer: Trainer, finish, method: str, *args):
+        self.finish = finish
+        self.call = trainer.critic_group.submit(method, *args)
+        self.results = None if trainer.critics is not None else self.call.result()
+
+    def result(self):
+        """The finished call's product (its workers' failures raise `WorkerError`)."""
+        if self.results is None:
+            self.results = self.call.result()
+        return self.finish(self.results)
 
 
 class PendingRollout:

@@ -19,8 +19,9 @@ class Reduction:
 
     over_steps: Literal["sum", "last"]
     """Over one rank's optimizer steps: summed, or the last value (running totals)."""
-    over_replicas: Literal["sum", "first"]
-    """Over the reporting replicas: summed (a local share), or the first (equal on every rank)."""
+    over_replicas: Literal["sum", "first", "max"]
+    """Over the reporting replicas: summed (a local share), the first (equal on every rank), or
+    the largest (a wall time: the slowest replica's)."""
     divide_by: Literal["steps", "tokens", None] = None
     """The combined value divided by the optimizer steps, by the loss tokens, or kept."""
 
@@ -47,6 +48,7 @@ UPDATE_METRICS: dict[str, Reduction] = {
     "critic/grad_norm": Reduction("sum", "first", "steps"),
     "critic/lr": LATEST,
     "critic/guard_skipped": COUNT,
+    "timing_s/update_critic": Reduction("last", "max"),  # the critic ranks' own wall time
 }
 PREFIX_RULES: dict[str, Reduction] = {"guard/": LATEST}  # the guard's running totals and maxima
 BOOKKEEPING = ("n_tokens", "n_optimizer_steps")  # used for the division, not reported
@@ -79,7 +81,7 @@ def combine_replicas(results: list[dict[str, float]]) -> dict[str, float]:
             continue
         rule = reduction(key)
         values = [r[key] for r in results if key in r]
-        value = sum(values) if rule.over_replicas == "sum" else values[0]
+        value = {"sum": sum, "max": max, "first": lambda v: v[0]}[rule.over_replicas](values)
         if rule.divide_by == "steps":
             value /= num_steps
         elif rule.divide_by == "tokens":

@@ -79,8 +79,9 @@ def probe_critic(cfg, plan, env):
     """The critic's optimizer and schedule, its epochs (the real `CriticUpdate.run` loop over
     recorded optimizer steps) and its clipped value loss on a fixed batch."""
     from megatron_agent.rl.value_loss import clipped_value_loss
+    from megatron_agent.train.critic_role import critic_optimizer_config
     from megatron_agent.train.critic_update import CriticUpdate
-    from megatron_agent.train.megatron_worker import critic_optimizer_config, scheduler_options
+    from megatron_agent.train.megatron_worker import scheduler_options
 
     update = CriticUpdate(None, cfg.critic, None, None, micro_batch_tokens=cfg.actor.micro_batch_tokens)
     update._optimizer_step = lambda batch, indices: {"n_optimizer_steps": 1.0}

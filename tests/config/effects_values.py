@@ -58,6 +58,7 @@ VALUES: dict[str, object] = {
     "critic.min_lr": 1e-6,
     "critic.init_from": "{critic_init_from}",
     "critic.lr_warmup_steps": 2,
+    **{f"critic.{name}": 2 for name in ("tp", "pp", "vpp", "dp")},  # 1 is the actor's (0's meaning)
     "critic.weight_decay": 0.01,
     "trainer.critic_warmup": 1,
     "algorithm.loss_agg_horizon": 100,
@@ -147,6 +148,15 @@ CONTEXT: dict[str, list[str]] = {
     "algorithm.lam_critic": ["algorithm.adv_estimator=gae"],
     "trainer.critic_warmup": ["algorithm.adv_estimator=gae"],
     "critic.init_from": ["algorithm.adv_estimator=gae"],
+    "critic.placement": ["algorithm.adv_estimator=gae"],
+    **{
+        f"critic.{name}": [
+            "algorithm.adv_estimator=gae",
+            "critic.placement=separate",
+            *(["critic.pp=2"] if name == "vpp" else []),
+        ]
+        for name in ("tp", "pp", "vpp", "dp")
+    },
     **{
         f"critic.{name}": [
             "algorithm.adv_estimator=gae",

@@ -110,6 +110,7 @@ class FakeRank:
             "n_tokens": float(sum(m.sum() for m in batch.tensors["loss_mask"])),
             "n_optimizer_steps": float(len(mini_batch_indices)),
             "critic/lr": 1e-5,
+            "timing_s/update_critic": 0.0,
         }
 
     def train(self, batch, mini_batch_indices, step):
@@ -152,7 +153,7 @@ class FakeRank:
             _write_checkpoint(ckpt_dir, dict(extra_meta or {}))
         return ckpt_dir
 
-    def save_state(self, ckpt_dir, hf_dir, driver_state):
+    def save_state(self, ckpt_dir, hf_dir, driver_state, critic_staged=""):
         self.save_error = ""
         try:
             Path(ckpt_dir).parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +166,11 @@ class FakeRank:
 
     def last_save_error(self):
         return self.save_error
+
+    def save_critic(self, folder):  # a separate critic's part of a checkpoint (CriticWorker)
+        if self.rank == 0:
+            (Path(folder) / "model").mkdir(parents=True)
+        return folder
 
     def load_state(self, ckpt_dir):
         return int(json.loads((Path(ckpt_dir) / "meta.json").read_text())["step"])
@@ -251,7 +257,7 @@ class FakeGroup:
     """`cluster.WorkerGroup` in this process: the same calls and errors; the workers are objects."""
 
     def __init__(self, cluster, actor_cls, num_workers, *, name, log_dir, init_args=(), **options):
-        worker_cls = FakeRank if actor_cls.__name__ == "MegatronWorker" else actor_cls
+        worker_cls = FakeRank if actor_cls.__name__ in ("MegatronWorker", "CriticWorker") else actor_cls
         self.cluster, self.name = cluster, name
         self.make = lambda rank: worker_cls(rank, num_workers, f"{log_dir}/{name}_{rank}.log", *init_args)
         cluster.record(name, "start", num_workers, str(log_dir), options)

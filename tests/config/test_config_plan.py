@@ -137,3 +137,33 @@ def test_the_async_section_round_trips_under_its_yaml_key(tmp_path):
     data = config_to_dict(cfg)
     assert data["async"]["max_staleness"] == 2 and "async_" not in data
     assert config_from_dict(data).async_.max_staleness == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algorithm.adv_estimator=gae", "critic.tp=2"], "critic.tp=2 set with critic.placement=colocated"),
+        (["critic.placement=separate"], "critic.placement=separate but algorithm.adv_estimator=grpo"),
+        (
+            ["algorithm.adv_estimator=gae", "critic.placement=separate", "critic.vpp=2"],
+            "critic.vpp=2 needs a critic pipeline",
+        ),
+        (["critic.placement=apart"], "choose one of colocated, separate"),
+    ],
+)
+def test_a_critic_layout_without_ranks_of_its_own_is_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_separate_critic_takes_the_actors_layout_where_its_own_keys_are_zero():
+    gae = ["algorithm.adv_estimator=gae", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"]
+    assert make_plan(load_config(None, gae)).critic_layout == ()  # colocated: the actor's ranks
+    plan = make_plan(load_config(None, [*gae, "critic.placement=separate", "critic.dp=3"]))
+    assert plan.critic_layout == (2, 2, 2, 3)
+    cfg = load_config(None, [*gae, "critic.placement=separate", "critic.pp=4"])
+    plan = make_plan(cfg)
+    assert plan.critic_layout == (2, 4, 1, 1)  # another pipeline: no interleaving unless asked
+    assert RunPlan.from_dict(plan.to_dict()) == plan
+    opts = build_options(cfg, plan.critic_layout)  # what the critic's ranks build
+    assert (opts.tp, opts.pp, opts.vpp) == (2, 4, 1)

@@ -1,10 +1,12 @@
 """PPO with a critic (`algorithm.adv_estimator=gae`) end to end on CPU: the real trainer, Megatron
-ranks over Ray, the vLLM engine, the critic on the actor's ranks.
+ranks over Ray, the vLLM engine, the critic on the actor's ranks or on ranks of its own.
 
 One deterministic run of 4 steps (the first a critic warm-up step, a checkpoint every 2 steps),
 one of 2 steps, and its resume to 4: the resumed steps must repeat the uninterrupted run's
 (critic and actor alike), which needs the critic's weights, optimizer, LR schedule and guard in
-the checkpoint.
+the checkpoint. A run with the critic on ranks of its own, at another layout (PP2 against the
+actor's PP1), must repeat the colocated run's steps, and its checkpoint must resume with the
+critic back on the actor's ranks.
 """
 
 from __future__ import annotations
@@ -101,15 +103,16 @@ def test_the_critic_resumes_exactly(uninterrupted, tmp_path):
     _run(run_dir, "trainer.total_steps=2")
     _run(run_dir, "trainer.total_steps=4")  # resumes from step 2
     want, got = _metrics(uninterrupted), _metrics(run_dir)
-    for step in (3, 4):
-        dumps = [
-            [
-                json.loads(line)["response_ids"]
-                for line in (r / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
-            ]
-            for r in (uninterrupted, run_dir)
+    for step in (3, 4):  # the same tokens sampled
+        assert [r["response_ids"] for r in _dump(run_dir, step)] == [
+            r["response_ids"] for r in _dump(uninterrupted, step)
         ]
-        assert dumps[0] == dumps[1]  # the same tokens sampled
+    _assert_steps_equal(want, got, (3, 4))
+
+
+def _assert_steps_equal(want: dict, got: dict, steps) -> None:
+    """The metrics of `steps` (wall-clock figures aside) equal within TOL; counts exactly."""
+    for step in steps:
         keys = [k for k in want[step] if not k.startswith(WALL_CLOCK) and not k.endswith("_s")]
         assert set(keys) <= set(got[step])
         for key in keys:
@@ -117,6 +120,39 @@ def test_the_critic_resumes_exactly(uninterrupted, tmp_path):
                 assert got[step][key] == pytest.approx(want[step][key], **TOL), (step, key)
             else:
                 assert got[step][key] == want[step][key], (step, key)
+
+
+def _dump(run_dir, step: int) -> list[dict]:
+    return [
+        json.loads(line)
+        for line in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
+    ]
+
+
+def test_a_separate_critic_at_its_own_layout_repeats_the_colocated_run_and_resumes_on_the_actors_ranks(
+    uninterrupted, tmp_path
+):
+    run_dir = tmp_path / "run"
+    _run(run_dir, "trainer.total_steps=2", "critic.placement=separate", "critic.pp=2")
+    want, got = _metrics(uninterrupted), _metrics(run_dir)
+    assert "timing_s/startup/critic" in got[0]  # its ranks started beside the actor's
+    assert sorted(p.name for p in (run_dir / "logs").glob("critic_*.log")) == [
+        f"critic_{r}.log" for r in range(2)
+    ]
+    _assert_steps_equal(want, got, (1, 2))
+    for step in (1, 2):  # the same tokens scored by the same critic at PP2 as at PP1
+        for a, b in zip(_dump(uninterrupted, step), _dump(run_dir, step)):
+            assert a["response_ids"] == b["response_ids"]
+            assert b["values"] == pytest.approx(a["values"], rel=0, abs=1e-5)
+    ckpts = run_dir / "checkpoints"
+    assert {p.name for p in (ckpts / "step_000002" / "critic").iterdir()} == {"model", "optim", "update.pt"}
+    assert [p.name for p in ckpts.iterdir()] == ["step_000002"]  # no staging folder left behind
+    _run(run_dir, "trainer.total_steps=4")  # resumes with the critic on the actor's ranks (TP1)
+    got = _metrics(run_dir)
+    _assert_steps_equal(want, got, (3, 4))
+    assert [r["response_ids"] for r in _dump(run_dir, 4)] == [
+        r["response_ids"] for r in _dump(uninterrupted, 4)
+    ]
 
 
 def _export_critic(ckpt, out) -> list[str]:

@@ -407,9 +407,14 @@ class Trainer:
         import ray
 
         def finish(results):
-            return combine_replicas([r for r in results if r is not None])
+            m = combine_replicas([r for r in results if r is not None])
+            if call.waited_s is not None:  # colocated: the wait, as the actor's update is timed
+                m["timing_s/update_critic"] = call.waited_s
+            return m
 
-        return CriticCall(self, finish, "train_critic", ray.put(batch), mini_batch_indices, step)
+        start = time.perf_counter()  # the batch's transfer counts, as in the actor's update
+        call = CriticCall(self, finish, "train_critic", ray.put(batch), mini_batch_indices, step, start=start)
+        return call
 
     def train(
         self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int
@@ -455,10 +460,16 @@ class CriticCall:
     next call would wait behind it anyway, and its timing would include it. On ranks of its own
     it runs while the driver goes on; `result()` waits for it."""
 
-    def __init__(self, trainer: Trainer, finish, method: str, *args):
+    def __init__(self, trainer: Trainer, finish, method: str, *args, start: float | None = None):
+        """`finish(results)` makes the product of the workers' results; `start`: when the call
+        began for its timing (default: now)."""
         self.finish = finish
+        start = time.perf_counter() if start is None else start
         self.call = trainer.critic_group.submit(method, *args)
-        self.results = None if trainer.critics is not None else self.call.result()
+        self.results = self.waited_s = None
+        if trainer.critics is None:
+            self.results = self.call.result()
+            self.waited_s = time.perf_counter() - start  # the driver's wait (colocated only)
 
     def result(self):
         """The finished call's product (its workers' failures raise `WorkerError`)."""

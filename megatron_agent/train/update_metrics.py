@@ -48,7 +48,7 @@ UPDATE_METRICS: dict[str, Reduction] = {
     "critic/grad_norm": Reduction("sum", "first", "steps"),
     "critic/lr": LATEST,
     "critic/guard_skipped": COUNT,
-    "timing_s/update_critic": Reduction("last", "max"),  # the critic ranks' own wall time
+    "timing_s/update_critic": Reduction("last", "max"),  # a separate critic's ranks' own wall time
 }
 PREFIX_RULES: dict[str, Reduction] = {"guard/": LATEST}  # the guard's running totals and maxima
 BOOKKEEPING = ("n_tokens", "n_optimizer_steps")  # used for the division, not reported

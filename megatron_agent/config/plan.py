@@ -102,7 +102,7 @@ def rollout_is(cfg: Config) -> str:
     or an FP8 rollout (its log-probs differ from the BF16 trainer's), none otherwise."""
     mode = cfg.algorithm.rollout_is
     if mode == "auto":
-        return "token" if cfg.algorithm.off_policy_loss or cfg.rollout.quantization == "fp8" else "none"
+        return "token" if cfg.algorithm.off_policy_loss or cfg.rollout.quantization else "none"
     return mode
 
 

@@ -111,11 +111,14 @@ class RolloutConfig:
     """Trajectories generating or running tools at the same time."""
     seed: NonNegativeInt = 0
     """Seed of the rollout engine's sampler."""
-    quantization: Literal["", "fp8"] = ""
-    """'' (serve the actor's dtype) or 'fp8': vLLM serves FP8 weights quantized from the BF16 actor
-    at every sync (GPU only; algorithm.rollout_is=auto then means 'token'; see rollout/fp8.py)."""
+    quantization: Literal["", "fp8", "nvfp4_w4a16", "fp8_qdq", "nvfp4_qdq"] = ""
+    """Rollout weights quantized by ModelOpt at every sync (docs/quantization.md): '' (the actor's
+    dtype); 'fp8' or 'nvfp4_w4a16': vLLM computes with real FP8 / NVFP4 weights (GPU only);
+    'fp8_qdq' or 'nvfp4_qdq': the same quantized values dequantized into the engine's dtype
+    (anywhere: the same policy gap). algorithm.rollout_is=auto then means 'token'."""
     fp8_scales: Literal["tensor", "block128"] = "tensor"
-    """rollout.quantization=fp8: 'tensor' (one scale per weight) or 'block128' (per 128x128 tile)."""
+    """FP8 formats (rollout.quantization, actor.qat): 'tensor' (one scale per weight) or 'block128'
+    (per 128x128 tile)."""
 
 
 @dataclass
@@ -172,7 +175,8 @@ class AlgorithmConfig:
     """Adaptive KL controller: horizon (in samples) of the proportional update."""
     rollout_is: Literal["auto", "none", "token", "sequence"] = "auto"
     """Rollout-vs-trainer importance weights in the policy loss: 'none', 'token' or 'sequence';
-    'auto': 'token' with an FP8 rollout (rollout.quantization=fp8), else 'none' (`RunPlan.rollout_is`)."""
+    'auto': 'token' with an off-policy loss or quantized rollout weights (rollout.quantization),
+    else 'none' (`RunPlan.rollout_is`)."""
     rollout_is_cap: Annotated[
         float, Range(ge=1, why="a cap below 1 would cut on-policy tokens, whose weight is 1")
     ] = 2.0
@@ -222,6 +226,10 @@ class ActorConfig:
     """Passes over each step's rollouts."""
     micro_batch_tokens: PositiveInt = 4096
     """Token budget per micro-batch (sequences are packed up to it)."""
+    qat: Literal["", "fp8", "nvfp4_w4a16"] = ""
+    """Quantization-aware training: the actor's forward fake-quantizes its decoder linear weights
+    with ModelOpt as the rollout's weights are (the family of rollout.quantization; FP8 scales of
+    rollout.fp8_scales), gradients passing straight through; '' : off (quant/qat.py)."""
     old_logprobs: Literal["auto", "recompute"] = "auto"
     """Where the old (proximal) log-probs come from: 'recompute' (a forward-only pass of the actor
     before the update) or 'auto' (from the update's own forward when the step is on-policy: one
@@ -386,7 +394,11 @@ class SyncConfig:
     probe_tol_bf16: PositiveFloat = 0.1
     """Largest |engine - actor| probe log-prob allowed in bf16."""
     probe_tol_fp8: PositiveFloat = 0.5
-    """Largest |engine - actor| probe log-prob allowed for an FP8 engine (rollout.quantization=fp8)."""
+    """Largest |engine - actor| probe log-prob allowed for an FP8 engine (rollout.quantization=fp8 or
+    fp8_qdq) unless the actor's forward is quantized alike (actor.qat): the rollout dtype's then."""
+    probe_tol_nvfp4: PositiveFloat = 1.0
+    """Largest |engine - actor| probe log-prob allowed for an NVFP4 engine (nvfp4_w4a16, nvfp4_qdq)
+    unless the actor's forward is quantized alike (actor.qat)."""
     timeout_s: PositiveFloat = 300.0
     """An engine that does not answer a sync call within this many seconds is an error."""
     transport: Literal["auto", "direct", "shm", "cuda_ipc", "nccl"] = "auto"

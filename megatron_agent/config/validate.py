@@ -19,7 +19,8 @@ def validate_config(cfg: Config) -> None:
     """Raise one `ConfigError` listing every setting that cannot work (the single-field ranges
     were checked while loading, so each check here may assume them)."""
     problems: list[str] = []
-    for check in (_check_sizes, _check_paths, _check_parallel, _check_async, _check_tools, _check_debug):
+    checks = (_check_sizes, _check_paths, _check_parallel, _check_async, _check_quantization, _check_tools)
+    for check in (*checks, _check_debug):
         problems += check(cfg)
     if problems:
         raise ConfigError.of(problems)
@@ -146,6 +147,25 @@ def _check_async(cfg: Config) -> list[str]:
     return problems
 
 
+def _check_quantization(cfg: Config) -> list[str]:
+    """QAT quantizes the actor as the rollout is quantized: the same family, the local spec."""
+    qat, rollout = cfg.actor.qat, cfg.rollout.quantization
+    if not qat:
+        return []
+    problems = []
+    if not rollout or rollout.split("_")[0] != qat.split("_")[0]:
+        problems.append(
+            f"actor.qat={qat} needs a rollout quantized alike: set rollout.quantization to "
+            f"{qat.split('_')[0]}_qdq or {qat} (it is {rollout!r})"
+        )
+    if cfg.model.transformer_impl == "te":
+        problems.append(
+            "actor.qat with model.transformer_impl=te: QAT fake-quantizes the local spec's linear layers "
+            "only for now; use model.transformer_impl=local"
+        )
+    return problems
+
+
 def _check_tools(cfg: Config) -> list[str]:
     """Each enabled tool is a built-in or a dotted path to a user's tool."""
     problems = []
@@ -196,8 +216,9 @@ def check_cluster_gpus(cfg: Config, num_gpus: float) -> None:
             f"model.transformer_impl=te needs Transformer Engine on a CUDA GPU and {where} has none: "
             "use 'auto' or 'local'"
         )
-    if cfg.rollout.quantization:
+    if cfg.rollout.quantization in ("fp8", "nvfp4_w4a16"):
+        family = cfg.rollout.quantization.split("_")[0]
         raise ConfigError(
             f"rollout.quantization={cfg.rollout.quantization!r} needs a CUDA GPU and {where} has none: "
-            "set rollout.quantization='' on CPU"
+            f"use rollout.quantization={family}_qdq on CPU (the same quantized values, dequantized) or ''"
         )

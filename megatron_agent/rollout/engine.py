@@ -173,17 +173,18 @@ class VLLMEngine:
         `kv_cache_memory_bytes`; on GPU `tp` and `gpu_memory_utilization` apply. `logits_processors` are
         vLLM V1 logits-processor classes (e.g. `ForcedTokensLogitsProcessor` for scripted tests).
         `block_size` is the KV-cache block (prefix-cache granularity); None means 32 on CPU and
-        vLLM's default on GPU. `quantization='fp8'` serves FP8 weights (GPU only): the folder is
-        converted once into `cache_dir` (`rollout.fp8`) and every sync then sends FP8 weights
-        (`sync.fp8`). `keep_kv`: requests in flight when new weights arrive keep their KV cache
+        vLLM's default on GPU. `quantization` (`rollout.quantization`, rollout/quantized.py) serves
+        quantized weights: real FP8/NVFP4 ones on GPU (the folder is converted once into
+        `cache_dir`) or dequantized ones anywhere (`*_qdq`); every sync then sends weights in that
+        format (`sync.quantizer`). `keep_kv`: requests in flight when new weights arrive keep their KV cache
         (and the prefix cache stays) instead of recomputing it under the new weights.
         """
         on_gpu = torch.cuda.is_available()
-        self.quantization = None
+        self.quantization, vllm_quantization = None, None
         if quantization:
-            from megatron_agent.rollout.fp8 import prepare_fp8_engine
+            from megatron_agent.rollout.quantized import prepare_quantized_engine
 
-            model_path, self.quantization = prepare_fp8_engine(
+            model_path, self.quantization, vllm_quantization = prepare_quantized_engine(
                 model_path, quantization, fp8_scales, dtype, cache_dir
             )
         if not on_gpu:
@@ -199,8 +200,8 @@ class VLLMEngine:
             tensor_parallel_size=tp,
             logprobs_mode="raw_logprobs",
         )
-        if self.quantization:
-            kwargs["quantization"] = "fp8"
+        if vllm_quantization:
+            kwargs["quantization"] = vllm_quantization
         if logits_processors:
             kwargs["logits_processors"] = list(logits_processors)
         if block_size is None and not on_gpu:

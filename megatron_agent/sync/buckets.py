@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_agent.errors import RunFailure
-from megatron_agent.sync.fp8 import wire_dtype
+from megatron_agent.sync.quantizer import wire_dtype
 
 ALIGN = 256  # byte alignment of every tensor in a bucket (any dtype view, CUDA-friendly)
 
@@ -29,7 +29,8 @@ _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn,  # FP8 rollout weights (rollout.fp8)
+    "float8_e4m3fn": torch.float8_e4m3fn,  # FP8 rollout weights, NVFP4 block scales
+    "uint8": torch.uint8,  # NVFP4 rollout weights (two e2m1 per byte)
 }
 
 

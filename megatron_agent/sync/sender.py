@@ -19,8 +19,8 @@ import torch
 from megatron_agent.config import SyncConfig
 from megatron_agent.models.build import resolve_transformer_impl
 from megatron_agent.sync.buckets import BucketHeader, BucketWriter, SyncError, default_algo, units_nbytes
-from megatron_agent.sync.fp8 import fp8_quantizer
 from megatron_agent.sync.producer import SyncRole, Unit, iter_units
+from megatron_agent.sync.quantizer import quantized_probe_tolerance, rollout_quantizer
 from megatron_agent.sync.transports import BucketBuffer, buffer_device, choose_transport
 from megatron_agent.sync.verify import compare_probe, probe_sequences, probe_tolerance
 
@@ -147,7 +147,7 @@ class WeightSender:
         self.num_syncs = 0
         self.transports: list[str] | None = None
         self.nccl = None
-        self.quantizer = None  # an Fp8Quantizer when the engines serve FP8 weights (sync.fp8)
+        self.quantizer = None  # a RolloutQuantizer when the engines serve quantized weights
         self._mode: str | None = None  # 'shm' or 'gather', agreed in the TP group at the first sync
         self._shared = None  # the SharedStream of the 'shm' mode
         if self.role.is_sender and not self.endpoints:
@@ -161,9 +161,9 @@ class WeightSender:
             choose_transport(self.cfg.transport, local=bool(getattr(ep, "local", False)), engine_info=info)
             for ep, info in zip(self.endpoints, infos)
         ]
-        self.quantizer = fp8_quantizer(infos)
+        self.quantizer = rollout_quantizer(infos)
         if self.quantizer is not None:
-            self.tol = self.cfg.probe_tol_fp8
+            self.tol = quantized_probe_tolerance(self.cfg, self.quantizer, self.model, self.tol)
         kinds = set(self.transports)
         self.device = buffer_device(kinds)
         self.shared = "shm" in kinds

@@ -295,7 +295,15 @@ class MegatronWorker(MegatronRank, CriticRole):
         """The trainable actor from `self.model_path` with a fresh optimizer (the `actor` section)."""
         from megatron_agent.build_policy import policy_from_hf
 
-        return policy_from_hf(self.model_path, opts, trainable=True, optim=optimizer_config(self.cfg))
+        actor = policy_from_hf(self.model_path, opts, trainable=True, optim=optimizer_config(self.cfg))
+        if self.cfg.actor.qat:  # its forward sees the rollout's quantized weights (quant/qat.py)
+            from megatron_agent.quant.formats import qat_format
+            from megatron_agent.quant.qat import enable_qat
+
+            fmt = qat_format(self.cfg.actor.qat, self.cfg.rollout.fp8_scales)
+            enable_qat(actor.chunks, actor.arch, fmt, opts.tp)
+            actor.qat_format = fmt  # the sync's probe then holds the rollout dtype's tolerance
+        return actor
 
     def restart_from(self, ckpt_dir: str) -> None:
         """Actor (with a fresh optimizer), reference and critic from `ckpt_dir` (after SFT)."""

@@ -34,6 +34,9 @@ class RunPlan:
     critic_layout: tuple[int, int, int, int]
     """(tp, pp, vpp, dp) of a critic on ranks of its own (`critic.placement=separate`, zeros
     resolved to the actor's); () when the critic is colocated with the actor or absent."""
+    qat_format: str
+    """The weight format the actor's forward fake-quantizes to (`actor.qat`, FP8 scales of
+    `rollout.fp8_scales`: a `quant.formats` name); '' without QAT."""
     rollout_is: str
     """The rollout IS weights the loss uses: 'none', 'token' or 'sequence' (`algorithm.rollout_is`,
     'auto' resolved: 'token' with an off-policy correction or an FP8 rollout, else 'none')."""
@@ -90,6 +93,14 @@ def critic_layout(cfg: Config) -> tuple[int, int, int, int] | tuple[()]:
         return ()
     pp = c.pp or p.pp
     return (c.tp or p.tp, pp, c.vpp or (p.vpp if pp == p.pp else 1), c.dp or p.dp)
+
+
+def qat_format_name(cfg: Config) -> str:
+    """The `quant.formats` name of `actor.qat` ('' : off): fp8 takes `rollout.fp8_scales`."""
+    qat = cfg.actor.qat
+    if not qat:
+        return ""
+    return ("fp8" if cfg.rollout.fp8_scales == "tensor" else "fp8_block128") if qat == "fp8" else "nvfp4"
 
 
 def num_mini_batches(cfg: Config) -> int:
@@ -160,6 +171,7 @@ def make_plan(cfg: Config) -> RunPlan:
         uses_critic=cfg.algorithm.adv_estimator == "gae",
         critic_init_from=cfg.critic.init_from if cfg.algorithm.adv_estimator == "gae" else "",
         critic_layout=critic_layout(cfg),
+        qat_format=qat_format_name(cfg),
         rollout_is=rollout_is(cfg),
         rollout_is_mode=rollout_is_mode(cfg),
         mode=cfg.trainer.mode,

@@ -83,10 +83,3 @@ def rollout_format(quantization: str, fp8_scales: str = "tensor") -> tuple[Quant
     if family in ("nvfp4", "nvfp4_w4a16"):
         return FORMATS["nvfp4"], qdq
     raise ValueError(f"rollout.quantization={quantization!r} names no weight format")
-
-
-def qat_format(qat: str, fp8_scales: str = "tensor") -> QuantFormat | None:
-    """The format `actor.qat` fake-quantizes the actor's weights to ('' : None)."""
-    if not qat:
-        return None
-    return fp8_format(fp8_scales) if qat == "fp8" else FORMATS["nvfp4"]

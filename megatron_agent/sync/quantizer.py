@@ -66,12 +66,14 @@ def rollout_quantizer(engine_infos: list[dict]) -> RolloutQuantizer | None:
     return RolloutQuantizer(q["quantization"], format_named(q["format"]), q["quantization"].endswith("_qdq"))
 
 
-def quantized_probe_tolerance(cfg, quantizer: RolloutQuantizer, model, dtype_tol: float) -> float:
-    """The probe's tolerance for quantized engines (`cfg`: the `sync` section). The actor's probe
-    runs its own forward: when that forward sees the engine's quantized values (`actor.qat` in
-    the same format, dequantized engine weights) the two compute the same thing and the rollout
-    dtype's tolerance `dtype_tol` holds; otherwise the probe measures the quantization's policy
-    gap too, and the format's own tolerance applies (`sync.probe_tol_fp8`, `sync.probe_tol_nvfp4`)."""
+def quantized_probe_tolerance(
+    quantizer: RolloutQuantizer, model, dtype_tol: float, *, fp8_tol: float, nvfp4_tol: float
+) -> float:
+    """The probe's tolerance for quantized engines. The actor's probe runs its own forward: when
+    that forward sees the engine's quantized values (`actor.qat` in the same format, dequantized
+    engine weights) the two compute the same thing and the rollout dtype's tolerance `dtype_tol`
+    holds; otherwise the probe measures the quantization's policy gap too, and the format's own
+    tolerance applies (`sync.probe_tol_fp8`, `sync.probe_tol_nvfp4`)."""
     if quantizer.qdq and getattr(model, "qat_format", None) == quantizer.fmt:
         return dtype_tol
-    return cfg.probe_tol_fp8 if quantizer.fmt.kind == "fp8" else cfg.probe_tol_nvfp4
+    return fp8_tol if quantizer.fmt.kind == "fp8" else nvfp4_tol

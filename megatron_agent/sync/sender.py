@@ -163,7 +163,13 @@ class WeightSender:
         ]
         self.quantizer = rollout_quantizer(infos)
         if self.quantizer is not None:
-            self.tol = quantized_probe_tolerance(self.cfg, self.quantizer, self.model, self.tol)
+            self.tol = quantized_probe_tolerance(
+                self.quantizer,
+                self.model,
+                self.tol,
+                fp8_tol=self.cfg.probe_tol_fp8,
+                nvfp4_tol=self.cfg.probe_tol_nvfp4,
+            )
         kinds = set(self.transports)
         self.device = buffer_device(kinds)
         self.shared = "shm" in kinds

@@ -296,11 +296,11 @@ class MegatronWorker(MegatronRank, CriticRole):
         from megatron_agent.build_policy import policy_from_hf
 
         actor = policy_from_hf(self.model_path, opts, trainable=True, optim=optimizer_config(self.cfg))
-        if self.cfg.actor.qat:  # its forward sees the rollout's quantized weights (quant/qat.py)
-            from megatron_agent.quant.formats import qat_format
+        if self.plan.qat_format:  # its forward sees the rollout's quantized weights (quant/qat.py)
+            from megatron_agent.quant.formats import format_named
             from megatron_agent.quant.qat import enable_qat
 
-            fmt = qat_format(self.cfg.actor.qat, self.cfg.rollout.fp8_scales)
+            fmt = format_named(self.plan.qat_format)
             enable_qat(actor.chunks, actor.arch, fmt, opts.tp)
             actor.qat_format = fmt  # the sync's probe then holds the rollout dtype's tolerance
         return actor

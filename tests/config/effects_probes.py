@@ -297,11 +297,22 @@ def probe_sync(cfg, plan, env):
     from megatron_agent.sync.producer import SyncRole
     from megatron_agent.train.megatron_worker import build_options, rollout_dtype
 
-    engine = types.SimpleNamespace(weight_version=0, on_gpu=False, quantization=None)
+    quantization = None  # what an engine started with rollout.quantization says (qdq formats run here)
+    if cfg.rollout.quantization.endswith("_qdq"):
+        from megatron_agent.rollout.quantized import prepare_quantized_engine
+
+        quantization = prepare_quantized_engine(
+            "", cfg.rollout.quantization, cfg.rollout.fp8_scales, "", None
+        )[1]
+    engine = types.SimpleNamespace(weight_version=0, on_gpu=False, quantization=quantization)
     endpoint = _StubEndpoint(WeightReceiver(engine))
     model = types.SimpleNamespace(
         chunks=[torch.nn.Linear(4, 4)], opts=build_options(cfg), arch=types.SimpleNamespace(vocab_size=64)
     )
+    if plan.qat_format:  # as MegatronWorker._new_actor marks a QAT actor
+        from megatron_agent.quant.formats import format_named
+
+        model.qat_format = format_named(plan.qat_format)
     role = SyncRole(0, 0, 1, True, True, True, True)
     with mock.patch.object(SyncRole, "current", classmethod(lambda cls: role)):
         sender = WeightSender(model, cfg.sync, [endpoint], rollout_dtype=rollout_dtype(cfg))

@@ -12,9 +12,7 @@ GPU_ONLY = {
     "model.fp8": "Transformer Engine FP8 recipes; every value but '' is refused at load without a GPU",
     "model.ref_offload": "moves the reference's weights off the GPU; MegatronModel.offload is a no-op on CPU",
     "rollout.colocate": "only decides whether engines get GPUs of their own (Trainer.start)",
-    "rollout.quantization": "FP8 rollout weights; refused at load without a GPU",
     "sync.transport": "a Ray engine on a CPU host is reached by shm only (direct: in-process engines)",
-    "sync.probe_tol_fp8": "the probe tolerance of FP8 engines (rollout.quantization=fp8, GPU only)",
 }
 
 # The base of every config here: a short, cheap run. Deterministic mode makes the stand-in engine's
@@ -45,6 +43,7 @@ VALUES: dict[str, object] = {
     "rollout.max_total_tokens": 400,
     "rollout.gpu_memory_utilization": 0.8,
     "rollout.fp8_scales": "block128",
+    "rollout.quantization": "nvfp4_qdq",  # fp8 and nvfp4_w4a16 are refused at load without a GPU
     "algorithm.clip_ratio_low": 0.1,
     "algorithm.clip_ratio_high": 0.1,
     "algorithm.clip_ratio_c": 1.5,
@@ -180,6 +179,9 @@ CONTEXT: dict[str, list[str]] = {
     "tools.python.tmp_mb": ["tools.enabled=[calculator,python]"],
     "tools.max_concurrent": ["tools.enabled=[calculator,python]"],
     "sync.probe_tol_bf16": ["model.dtype=bf16"],
+    "sync.probe_tol_fp8": ["rollout.quantization=fp8_qdq"],
+    "sync.probe_tol_nvfp4": ["rollout.quantization=nvfp4_qdq"],
+    "actor.qat": ["rollout.quantization=fp8_qdq"],
     "trainer.resume": ["trainer.total_steps=2"],  # resumes after step 1, then trains step 2
     "checkpoint.keep_last": ["trainer.total_steps=2", "checkpoint.save_freq=1"],
     "checkpoint.on_save_error": ["checkpoint.save_dir={blocked}/ckpts", "checkpoint.save_freq=1"],

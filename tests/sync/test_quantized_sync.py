@@ -86,16 +86,17 @@ class _Model:
 
 def test_the_probe_holds_the_dtype_tolerance_only_when_the_actor_is_quantized_alike():
     cfg, model = SyncConfig(), _Model()
+    tols = {"fp8_tol": cfg.probe_tol_fp8, "nvfp4_tol": cfg.probe_tol_nvfp4}
     nvfp4_qdq = RolloutQuantizer("nvfp4_qdq", FORMATS["nvfp4"], qdq=True)
-    assert quantized_probe_tolerance(cfg, nvfp4_qdq, model, 1e-4) == cfg.probe_tol_nvfp4
+    assert quantized_probe_tolerance(nvfp4_qdq, model, 1e-4, **tols) == cfg.probe_tol_nvfp4
     model.qat_format = FORMATS["nvfp4"]
-    assert quantized_probe_tolerance(cfg, nvfp4_qdq, model, 1e-4) == 1e-4
+    assert quantized_probe_tolerance(nvfp4_qdq, model, 1e-4, **tols) == 1e-4
     real = RolloutQuantizer(
         "nvfp4_w4a16", FORMATS["nvfp4"], qdq=False
     )  # quantized kernels: not the same math
-    assert quantized_probe_tolerance(cfg, real, model, 1e-4) == cfg.probe_tol_nvfp4
+    assert quantized_probe_tolerance(real, model, 1e-4, **tols) == cfg.probe_tol_nvfp4
     fp8 = RolloutQuantizer("fp8_qdq", FORMATS["fp8"], qdq=True)
-    assert quantized_probe_tolerance(cfg, fp8, model, 1e-4) == cfg.probe_tol_fp8
+    assert quantized_probe_tolerance(fp8, model, 1e-4, **tols) == cfg.probe_tol_fp8
 
 
 def test_a_qdq_engine_starts_from_the_models_own_folder(tiny_models, tmp_path):

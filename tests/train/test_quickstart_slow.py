@@ -1,6 +1,7 @@
 """The quickstart learns: validation accuracy at the last step is >= 0.15 above step 0 (after SFT),
-for two seeds, synchronous and asynchronous (eta = 1, the decoupled loss), and with PPO's critic
-(examples/quickstart/ppo.yaml). Slow (the whole `make run` job six times); run with
+for two seeds, synchronous and asynchronous (eta = 1, the decoupled loss), with PPO's critic
+(examples/quickstart/ppo.yaml), and with NVFP4 rollout weights (dequantized: the policy gap of a
+W4A16 rollout, corrected by truncated IS). Slow (the whole `make run` job eight times); run with
 `make test-slow`."""
 
 import json
@@ -15,6 +16,7 @@ MODES = {
     "sync": [],
     "async": ["trainer.mode=async", "async.max_staleness=1", "algorithm.off_policy_loss=decoupled"],
     "ppo": [],  # with examples/quickstart/ppo.yaml
+    "nvfp4_qdq": ["rollout.quantization=nvfp4_qdq"],  # algorithm.rollout_is=auto: token-level TIS
 }
 
 
@@ -36,4 +38,8 @@ def test_quickstart_validation_accuracy_rises(tmp_path, seed, mode):
     val = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
     first, last = val[0], val[max(val)]
     print(f"{mode}, seed {seed}: val/accuracy {val}")
+    if mode == "nvfp4_qdq":  # the quantized rollout's policy gap shows, far above BF16's ~1e-6
+        gaps = [r["mismatch/mean_abs_diff"] for r in rows if "mismatch/mean_abs_diff" in r]
+        print(f"nvfp4_qdq, seed {seed}: mismatch/mean_abs_diff {gaps}")
+        assert min(gaps) > 1e-2, gaps
     assert last >= first + 0.15, val

@@ -9,10 +9,19 @@ full sync (the actor's probe forward, both TP ranks writing their shards into th
 buckets with the layout mapping, checksums, the engine's in-place load with its checksums,
 finish, the engine's probe) and, next to it, the practical limit:
 the same number of bytes copied from this process into shared memory and out of it by another
-process, in the same bucket size, double-buffered. Last line: `efficiency=X verify_share=Y`
+process, in the same bucket size, double-buffered.
+
+Then quantized rollout weights (`--quant-rounds`, 0 skips it): a Qwen2.5-0.5B-shaped random model
+(hidden 896, 24 layers, FFN 4864, vocabulary 151,936, tied; bf16 rollout dtype) at TP=2 synced,
+unverified, into a sink engine process that asks for bf16, real FP8 (per tensor) or real NVFP4
+(W4A16) weights and only takes the buckets in (a CPU has no FP8/FP4 kernels to load them into):
+bytes sent per sync and sync time per format, ModelOpt's quantization time (`sync/quantize_s`)
+as a share of the sync, and the ratio of the quantized linear weights alone (the embedding and
+the norms stay bf16). Last line: `efficiency=X verify_share=Y fp8_bytes_ratio=F nvfp4_bytes_ratio=N`
 (limit time / sync time; the verification's share of the sync: the time that both checksums and
 the probe add to it, from the same sync without verification timed in the same rounds; the sum
-of the verification phases, which overlap the engine's loading, is printed above it).
+of the verification phases, which overlap the engine's loading, is printed above it; bytes per
+sync of FP8 and NVFP4 rollout weights over bf16's, whole syncs).
 """
 
 from __future__ import annotations
@@ -167,6 +176,93 @@ def worker(args) -> None:
     dist.barrier()
 
 
+class QuantizedSink:
+    """An engine process that asks for (quantized) weights and only takes the buckets in."""
+
+    def __init__(self, model_path, quantization="", fmt=""):
+        self.weight_version = 0
+        self.quantization = {"quantization": quantization, "format": fmt} if quantization else None
+
+    def update_weights(self, named_tensors):
+        for _ in named_tensors:  # the receiver's views of the bucket, each taken
+            pass
+        self.weight_version += 1
+        return self.weight_version
+
+
+QUANT_CASES = {"bf16": ("", ""), "fp8": ("fp8", "fp8"), "nvfp4": ("nvfp4_w4a16", "nvfp4")}
+
+
+def quantized_worker(args) -> None:
+    """Bytes and time per sync of bf16, FP8 and NVFP4 rollout weights (the 0.5B-shaped model)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_agent.build_policy import policy_from_hf
+    from megatron_agent.config import SyncConfig
+    from megatron_agent.models.build import BuildOptions
+    from megatron_agent.platform.parallel import init_model_parallel
+    from megatron_agent.quant.formats import is_quantized_linear
+    from megatron_agent.sync import SubprocessEndpoint, WeightSender
+    from megatron_agent.weights.hf_io import HFCheckpointReader
+
+    init_model_parallel(args.tp, 1)
+    rank = dist.get_rank()
+    model = policy_from_hf(args.model, BuildOptions(tp=args.tp, dtype="bf16"), trainable=False)
+    results = {}
+    for case, (quantization, fmt) in QUANT_CASES.items():
+        sink = None
+        if rank == 0:
+            sink = SubprocessEndpoint(
+                args.model,
+                {"quantization": quantization, "fmt": fmt},
+                env={"OMP_NUM_THREADS": "1"},
+                name=f"sink-{case}",
+                engine_class="bench.sync:QuantizedSink",
+            )
+        sender = WeightSender(
+            model,
+            SyncConfig(bucket_mb=args.bucket_mb, verify=False),
+            [sink] if rank == 0 else [],
+            rollout_dtype=torch.bfloat16,
+        )
+        sender.sync()  # warm-up
+        rounds = [sender.sync() for _ in range(args.quant_rounds)]
+        sender.close()
+        if sink is not None:
+            sink.close()
+        results[case] = rounds
+    if rank == 0:
+        with HFCheckpointReader(args.model) as reader:
+            linear = sum(reader.get(n).numel() for n in reader.names() if is_quantized_linear(n))
+        quant_report(results, linear)
+    dist.barrier()
+
+
+def quant_report(results: dict, num_linear: int) -> None:
+    """Per format: bytes, sync seconds, quantization share; the summary ratios (`QUANT_RATIOS ...`)."""
+    med = {
+        case: {k: statistics.median(m[k] for m in rounds) for k in rounds[0]}
+        for case, rounds in results.items()
+    }
+    bf16 = med["bf16"]["sync/bytes"]
+    rest = bf16 - 2 * num_linear  # what every format sends in bf16 (embedding, norms)
+    print(
+        f"quantized rollout weights (0.5B-shaped, {num_linear / 1e6:.0f}M linear weights of the sync's "
+        f"{bf16 / 2e6:.0f}M; medians over {len(results['bf16'])} unverified syncs):"
+    )
+    for case, m in med.items():
+        print(
+            f"  {case:<6} {m['sync/bytes'] / 1e9:6.3f} GB  {m['sync/bytes'] / bf16:6.3f} of bf16 "
+            f"(linear weights {(m['sync/bytes'] - rest) / (2 * num_linear):5.3f})  sync {m['sync/seconds']:6.2f} s  "
+            f"ModelOpt quantization {m['sync/quantize_s']:6.2f} s ({m['sync/quantize_s'] / m['sync/seconds']:.3f} of the sync)"
+        )
+    print(
+        f"QUANT_RATIOS fp8_bytes_ratio={med['fp8']['sync/bytes'] / bf16:.3f} "
+        f"nvfp4_bytes_ratio={med['nvfp4']['sync/bytes'] / bf16:.3f}"
+    )
+
+
 def report(rounds) -> None:
     """Print each round, then the medians and the summary line."""
     phases = [
@@ -226,17 +322,48 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--quant-rounds", type=int, default=3, help="timed syncs per quantized format (0: skip)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--quantized", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="", help=argparse.SUPPRESS)
     p.add_argument("--cache", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args)
+        quantized_worker(args) if args.quantized else worker(args)
         return
+    last = run_worker(args, make_model, quantized=False)
+    if args.quant_rounds:
+        ratios = run_worker(args, make_quant_model, quantized=True)
+        last += " " + ratios.removeprefix("QUANT_RATIOS ")
+    print(last)
+
+
+def make_quant_model(out: Path, args) -> Path:
+    """The Qwen2.5-0.5B-shaped random model (bf16) of the quantized cases."""
+    import torch
+
+    from megatron_agent.models.tiny import make_tiny_model
+
+    return make_tiny_model(
+        out,
+        "qwen2",
+        tied=True,
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        dtype=torch.bfloat16,
+    )
+
+
+def run_worker(args, make, *, quantized: bool) -> str:
+    """Run the torchrun worker on a model made by `make`; print its report; return its last line."""
     import subprocess
 
     with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
-        model = make_model(Path(tmp) / "model", args)
+        model = make(Path(tmp) / "model", args)
         cmd = [
             sys.executable,
             "-m",
@@ -257,14 +384,19 @@ def main() -> None:
             str(args.rounds),
             "--bucket-mb",
             str(args.bucket_mb),
+            "--quant-rounds",
+            str(args.quant_rounds),
+            *(["--quantized"] if quantized else []),
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if not ln.startswith(("(", "INFO", "WARNING"))]
-        print("\n".join(lines))
         if proc.returncode != 0:
+            print("\n".join(lines))
             print(proc.stderr[-4000:], file=sys.stderr)
             sys.exit(proc.returncode)
+        print("\n".join(lines[:-1]))
+        return lines[-1]
 
 
 if __name__ == "__main__":

@@ -28,26 +28,25 @@ of its `weight_scale_2` (`KNvfp4Static.process`), so pieces quantized with their
 served scaled by the wrong factor. Like ModelOpt's HF export (`preprocess_linear_fusion`), the
 pieces of a fused layer are quantized with their common amax (`global_amax`): `weight_scale_2`
 is the same for q, k and v (and for gate and up), the block scales are each piece's own. FP8
-needs no such step: vLLM's fp8 method requantizes the pieces to their largest scale itself.
+is written per HF tensor, as hub checkpoints are: vLLM's fp8 method requantizes the pieces of a
+fused layer to their largest scale after loading (`requantize_with_max_scale`: one more e4m3
+rounding for the pieces with a smaller scale).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from megatron_agent.quant.formats import FORMATS, QuantFormat, is_quantized_linear
+from megatron_agent.quant.layout import fused_group, global_amax  # noqa: F401 - also this module's API
 
 STAMP = "quantized_source.json"
 """The file that makes `write_quantized_folder` reuse a folder written from the same source."""
-
-NVFP4_GROUP = 16
-_FUSED = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.[qkv]|mlp\.(?:gate|up))_proj\.weight$")
 
 
 def quantization_config(fmt: QuantFormat) -> dict:
@@ -97,25 +96,6 @@ def folder_format(folder: str | Path) -> QuantFormat | None:
     return format_of_config(json.loads((Path(folder) / "config.json").read_text()))
 
 
-def fused_group(hf_name: str) -> list[str]:
-    """The HF tensors vLLM fuses with `hf_name` into one layer (q/k/v, gate/up); [hf_name] otherwise."""
-    m = _FUSED.match(hf_name)
-    if m is None:
-        return [hf_name]
-    prefix, block = m.group(1), m.group(2).split(".")[0]
-    members = ("q", "k", "v") if block == "self_attn" else ("gate", "up")
-    return [f"{prefix}{block}.{x}_proj.weight" for x in members]
-
-
-def global_amax(fmt: QuantFormat, hf_name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
-    """The amax `hf_name` is quantized with in a folder: for NVFP4 the largest |w| over its fused
-    group (`get` reads a tensor by name), fp32 []; None (the tensor's own) otherwise."""
-    group = fused_group(hf_name)
-    if fmt.kind != "nvfp4" or len(group) == 1:
-        return None
-    return torch.stack([get(name).detach().abs().amax().float() for name in group]).amax()
-
-
 def quantized_tensors(
     fmt: QuantFormat, hf_name: str, tensor: torch.Tensor, amax: torch.Tensor | None = None
 ) -> list[tuple[str, torch.Tensor]]:
@@ -126,11 +106,7 @@ def quantized_tensors(
 
     if not is_quantized_linear(hf_name):
         return [(hf_name, tensor.to(torch.bfloat16))]
-    if fmt.kind == "nvfp4" and tensor.shape[-1] % fmt.block[1]:
-        raise ValueError(
-            f"{hf_name}: {tensor.shape[-1]} input features, not a multiple of {fmt.block[1]}: vLLM's "
-            "NVFP4 layers need whole 16-wide blocks"
-        )
+    check_vllm_shape(fmt, hf_name, tuple(tensor.shape))
     if amax is None:
         return layout_tensors(fmt, hf_name, tensor)
     qw = quantize(fmt, tensor, global_amax=amax)
@@ -138,12 +114,59 @@ def quantized_tensors(
     return [(hf_name, qw.data)] + [(n, qw.scales[s]) for n, s in zip(names, fmt.scale_suffixes)]
 
 
+def check_vllm_shape(fmt: QuantFormat, hf_name: str, shape: tuple[int, ...]) -> None:
+    """Raise ValueError naming the tensor when vLLM cannot load the linear weight `hf_name` of
+    `shape` in `fmt`'s layout: NVFP4 needs whole 16-wide blocks along a row; 128 x 128 FP8 needs
+    every piece of a fused layer but the last (q, k of q/k/v; gate of gate/up) to fill whole tile
+    rows, since vLLM stores one scale grid for the fused layer (`validate_fp8_block_shape`)."""
+    if fmt.kind == "nvfp4" and shape[-1] % fmt.block[1]:
+        raise ValueError(
+            f"{hf_name}: {shape[-1]} input features, not a multiple of {fmt.block[1]}: vLLM's NVFP4 "
+            "layers need whole 16-wide blocks"
+        )
+    group = fused_group(hf_name)
+    if fmt.kind == "fp8" and fmt.block and hf_name in group[:-1] and shape[0] % fmt.block[0]:
+        raise ValueError(
+            f"{hf_name}: {shape[0]} rows, not a multiple of {fmt.block[0]}: vLLM fuses it with "
+            f"{group[group.index(hf_name) + 1]} into one layer whose {fmt.block[0]}x{fmt.block[1]} "
+            "scale tiles would straddle the two; use the per-tensor format (fp8) for this model"
+        )
+
+
+def linear_shapes(arch) -> dict[str, tuple[int, int]]:
+    """The [out, in] shapes of one decoder layer's linear weights (layer 0's HF names) of the
+    `models.hf_config.ModelArch` `arch`."""
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    shapes = {
+        "q": (q, h),
+        "k": (kv, h),
+        "v": (kv, h),
+        "o": (h, q),
+        "gate": (f, h),
+        "up": (f, h),
+        "down": (h, f),
+    }
+    block = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_attn"}
+    return {f"model.layers.0.{block.get(x, 'mlp')}.{x}_proj.weight": s for x, s in shapes.items()}
+
+
+def check_vllm_shapes(fmt: QuantFormat, arch) -> None:
+    """`check_vllm_shape` for every linear weight of a model of architecture `arch`, before any work."""
+    for name, shape in linear_shapes(arch).items():
+        check_vllm_shape(fmt, name, shape)
+
+
 def iter_folder_tensors(src: str | Path, fmt: QuantFormat) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the folder made from the HF folder `src`, one source tensor at a time
-    (NVFP4 reads a fused group's other members again for its amax: memory-mapped, cheap)."""
+    (NVFP4 reads a fused group's other members again for its amax: memory-mapped, cheap).
+    Raises ValueError before quantizing anything when vLLM could not load a weight's layout."""
     from megatron_agent.weights.hf_io import HFCheckpointReader
 
     with HFCheckpointReader(src) as reader:
+        for name in reader.names():
+            if is_quantized_linear(name):
+                check_vllm_shape(fmt, name, tuple(reader.get_slice(name).get_shape()))
         for name in reader.names():
             amax = global_amax(fmt, name, reader.get) if is_quantized_linear(name) else None
             yield from quantized_tensors(fmt, name, reader.get(name), amax)
@@ -159,7 +182,9 @@ def _stamp(src: Path, fmt: QuantFormat) -> dict:
     }
 
 
-def write_quantized_folder(src: str | Path, dst: str | Path, fmt: QuantFormat, *, overwrite: bool = False) -> Path:
+def write_quantized_folder(
+    src: str | Path, dst: str | Path, fmt: QuantFormat, *, overwrite: bool = False
+) -> Path:
     """Write the HF folder `src` in `fmt`'s layout into `dst` (vLLM loads it with
     `quantization=vllm_quantization_name(fmt)`); returns `dst`.
 
@@ -167,7 +192,7 @@ def write_quantized_folder(src: str | Path, dst: str | Path, fmt: QuantFormat, *
     says so) is reused as it is; one written by this function from anything else is replaced.
     Any other existing `dst` is refused (FileExistsError) unless `overwrite`. The folder is
     written next to `dst` and renamed into place when complete. The quantized tensors are held
-    in host memory until written (about 1 byte per linear weight for FP8, 0.56 for NVFP4).
+    in host memory until written (1 byte per linear weight for FP8, 0.56 for NVFP4, the rest bf16).
     """
     from safetensors.torch import save_file
 
@@ -192,6 +217,7 @@ def write_quantized_folder(src: str | Path, dst: str | Path, fmt: QuantFormat, *
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tensors = {name: t.contiguous() for name, t in iter_folder_tensors(src, fmt)}
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        shutil.copymode(staging / "config.json", staging / "model.safetensors")  # safetensors writes 0600
         (staging / STAMP).write_text(json.dumps(stamp))
         publish(staging, dst, overwrite=True)
     except BaseException:
@@ -200,61 +226,92 @@ def write_quantized_folder(src: str | Path, dst: str | Path, fmt: QuantFormat, *
     return dst
 
 
-def dequantized_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every weight of a folder written by `write_quantized_folder`, in fp32: the linear weights
-    dequantized by ModelOpt (`quant.ops.dequantize`), the rest as stored; scales are consumed."""
+def _weight_names(fmt: QuantFormat, names: list[str]) -> list[str]:
+    """The weights among a folder's tensor `names` (its scale tensors left out)."""
+    from megatron_agent.quant.layout import scale_names
+
+    scales = {s for n in names if is_quantized_linear(n) for s in scale_names(fmt, n)}
+    return [n for n in names if n not in scales]
+
+
+def _dequantized(reader, fmt: QuantFormat, name: str) -> torch.Tensor:
+    """One weight of an open folder in fp32: a linear weight dequantized by ModelOpt, the rest as stored."""
     from megatron_agent.quant.layout import scale_names
     from megatron_agent.quant.ops import QuantizedWeight, dequantize
-    from megatron_agent.weights.hf_io import HFCheckpointReader
 
+    data = reader.get(name)
+    if not is_quantized_linear(name):
+        return data.float()
+    scales = {suffix: reader.get(s) for s, suffix in zip(scale_names(fmt, name), fmt.scale_suffixes)}
+    k = data.shape[-1] * 2 if fmt.kind == "nvfp4" else data.shape[-1]  # two e2m1 values per byte
+    return dequantize(fmt, QuantizedWeight(data, scales, (data.shape[0], k)))
+
+
+def _quantized_folder(folder: str | Path) -> QuantFormat:
     fmt = folder_format(folder)
     if fmt is None:
         raise ValueError(f"{folder}: config.json has no quantization_config: not a quantized folder")
-    out = {}
+    return fmt
+
+
+def weight_names(folder: str | Path) -> list[str]:
+    """The weights of a quantized folder (its tensors but the scales)."""
+    from megatron_agent.weights.hf_io import HFCheckpointReader
+
+    fmt = _quantized_folder(folder)
     with HFCheckpointReader(folder) as reader:
-        names = reader.names()
-        scales = {s for n in names if is_quantized_linear(n) for s in scale_names(fmt, n)}
-        for name in names:
-            if name in scales:
-                continue
-            if not is_quantized_linear(name):
-                out[name] = reader.get(name).float()
-                continue
-            data = reader.get(name)
-            found = {suffix: reader.get(s) for s, suffix in zip(scale_names(fmt, name), fmt.scale_suffixes)}
-            k = data.shape[-1] * 2 if fmt.kind == "nvfp4" else data.shape[-1]
-            out[name] = dequantize(fmt, QuantizedWeight(data, found, (data.shape[0], k)))
-    return out
+        return _weight_names(fmt, reader.names())
 
 
-def expected_state_dict(fmt: QuantFormat, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What `dequantized_state_dict` must return for a folder written from the HF `tensors`: each
-    linear weight fake-quantized by ModelOpt (`quant.ops.fake_quantize`, with `global_amax`), in
-    fp32; every other tensor rounded to bf16, in fp32."""
+def dequantized_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every weight of a folder written by `write_quantized_folder`, in fp32: the linear weights
+    dequantized by ModelOpt (`quant.ops.dequantize`), the rest as stored; scales are consumed."""
+    from megatron_agent.weights.hf_io import HFCheckpointReader
+
+    fmt = _quantized_folder(folder)
+    with HFCheckpointReader(folder) as reader:
+        return {n: _dequantized(reader, fmt, n) for n in _weight_names(fmt, reader.names())}
+
+
+def expected_tensor(fmt: QuantFormat, name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """What `dequantized_state_dict` must hold under `name` for a folder written from the HF
+    `tensors`: a linear weight fake-quantized by ModelOpt (`quant.ops.fake_quantize`, with
+    `global_amax`), any other tensor rounded to bf16; in fp32."""
     from megatron_agent.quant.ops import fake_quantize
 
-    out = {}
-    for name, t in tensors.items():
-        if is_quantized_linear(name):
-            out[name] = fake_quantize(fmt, t.float(), global_amax(fmt, name, tensors.__getitem__))
-        else:
-            out[name] = t.to(torch.bfloat16).float()
-    return out
+    t = tensors[name]
+    if not is_quantized_linear(name):
+        return t.to(torch.bfloat16).float()
+    return fake_quantize(fmt, t.float(), global_amax(fmt, name, tensors.__getitem__))
 
 
-def compare_folder(folder: str | Path, tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The differences between a quantized folder and the HF `tensors` it should hold (empty:
-    identical bit for bit): missing or extra tensors, and each differing tensor with its largest
-    difference."""
-    fmt = folder_format(folder)
-    got, want = dequantized_state_dict(folder), expected_state_dict(fmt, tensors)
-    problems = [f"{n}: missing from {folder}" for n in sorted(want.keys() - got.keys())]
-    problems += [f"{n}: in {folder} but not in the checkpoint" for n in sorted(got.keys() - want.keys())]
-    for name in sorted(want.keys() & got.keys()):
-        a, b = got[name], want[name]
-        if a.shape != b.shape:
-            problems.append(f"{name}: shape {tuple(a.shape)} in the folder, {tuple(b.shape)} expected")
-        elif not torch.equal(a, b):
-            what = "dequantized != fake-quantized" if is_quantized_linear(name) else "!= bf16 of the checkpoint's"
-            problems.append(f"{name}: {what} (max |diff| {(a - b).abs().max().item():.3e})")
+def compare_folder(
+    folder: str | Path, tensors: Mapping[str, torch.Tensor], *, complete: bool = True
+) -> list[str]:
+    """The differences between a quantized folder and the HF `tensors` it should hold, one line
+    each (empty: identical bit for bit): tensors missing from the folder, each differing tensor
+    with its largest difference, and (`complete`) weights of the folder absent from `tensors`.
+    One tensor is dequantized at a time."""
+    from megatron_agent.weights.hf_io import HFCheckpointReader
+
+    fmt = _quantized_folder(folder)
+    problems = []
+    with HFCheckpointReader(folder) as reader:
+        names = set(_weight_names(fmt, reader.names()))
+        for name in sorted(tensors):
+            if name not in names:
+                problems.append(f"{name}: missing from {folder}")
+                continue
+            got, want = _dequantized(reader, fmt, name), expected_tensor(fmt, name, tensors)
+            if got.shape != want.shape:
+                problems.append(
+                    f"{name}: shape {tuple(got.shape)} in the folder, {tuple(want.shape)} expected"
+                )
+            elif not torch.equal(got, want):
+                what = "dequantized != fake-quantized" if is_quantized_linear(name) else "!= the bf16 of"
+                problems.append(
+                    f"{name}: {what} checkpoint's (max |diff| {(got - want).abs().max().item():.3e})"
+                )
+    if complete:
+        problems += [f"{n}: in {folder} but not in the checkpoint" for n in sorted(names - set(tensors))]
     return problems

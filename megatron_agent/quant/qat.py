@@ -12,11 +12,16 @@ The engines quantize each HF tensor (q, k, v, o, gate, up, down) on its own, fro
 splits the shard into its pieces of those HF tensors (a shard of `linear_qkv` holds a contiguous
 range of q's, k's and v's rows; of `linear_fc1`, of gate's and up's; of a row-parallel layer, a
 range of columns), takes each HF tensor's amax over the tensor-parallel group (one all-reduce per
-layer), and fake-quantizes each piece with it (`quant.ops.fake_quantize(global_amax=...)`). For
+layer; for NVFP4 the largest of a fused layer's pieces, as the engines quantize: quant/layout.py),
+and fake-quantizes each piece with it (`quant.ops.fake_quantize(global_amax=...)`). For
 per-tensor FP8 and for NVFP4 (16-wide blocks along a row, a per-tensor second scale) that is
 bit for bit the whole tensor's quantization restricted to the piece (tests/quant/test_qat.py);
 for 128 x 128 FP8 tiles it is when every piece starts on a tile boundary, which `enable_qat`
 checks (and refuses otherwise, naming the layout).
+
+A `*_qdq` rollout without `actor.qat` wraps the layers switched off: the weight sync's probe
+switches them on for its forward (`quantized_forward`), so it checks the sync at the rollout
+dtype's tolerance instead of measuring the quantization's policy gap.
 
 Not done: the Transformer Engine spec (its fused modules read their weights inside TE; refused at
 load), and runs on GPU (the fused weight-gradient path keeps working through `main_grad`, which
@@ -24,6 +29,9 @@ the quantized weight carries, but this has not run on a GPU).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -50,12 +58,23 @@ class _StraightThrough(torch.autograd.Function):
 class QatLinear:
     """The forward of one Megatron linear layer with its weight fake-quantized."""
 
-    def __init__(self, module: torch.nn.Module, kind: str, fmt: QuantFormat, arch: ModelArch, tp_size: int):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        kind: str,
+        fmt: QuantFormat,
+        arch: ModelArch,
+        tp_size: int,
+        active: bool,
+    ):
         self.module, self.kind, self.fmt, self.arch, self.tp = module, kind, fmt, arch, tp_size
+        self.active = active
         self.inner = module.forward
         module.forward = self  # an instance attribute: nn.Module.__call__ now calls this
 
     def __call__(self, *args, **kwargs):
+        if not self.active:
+            return self.inner(*args, **kwargs)
         module = self.module
         param = module._parameters["weight"]
         quantized = _StraightThrough.apply(param, self.quantize)
@@ -78,6 +97,8 @@ class QatLinear:
             torch.distributed.all_reduce(
                 amax, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group()
             )
+        if self.fmt.kind == "nvfp4":  # one second-level scale per fused layer (quant/layout.py)
+            amax = amax.amax().expand(len(pieces))
         quantized = [fake_quantize(self.fmt, p, global_amax=a) for p, a in zip(pieces, amax)]
         return join_pieces(self.kind, quantized, self.arch, self.tp)
 
@@ -130,9 +151,10 @@ def check_tile_alignment(fmt: QuantFormat, arch: ModelArch, tp: int) -> None:
         )
 
 
-def enable_qat(chunks: list, arch: ModelArch, fmt: QuantFormat, tp: int) -> int:
+def enable_qat(chunks: list, arch: ModelArch, fmt: QuantFormat, tp: int, *, active: bool = True) -> int:
     """Fake-quantize the decoder linear weights of every model chunk in their forward; returns how
-    many linear layers were wrapped. Raises ValueError when the layout cannot match the engines."""
+    many linear layers were wrapped. `active=False` wraps them switched off (`quantized_forward`
+    switches them on for a block). Raises ValueError when the layout cannot match the engines."""
     from megatron_agent.weights.export import unwrap
 
     check_tile_alignment(fmt, arch, tp)
@@ -141,6 +163,28 @@ def enable_qat(chunks: list, arch: ModelArch, fmt: QuantFormat, tp: int) -> int:
         for name, module in unwrap(chunk).named_modules():
             kind = _KINDS.get(name.rsplit(".", 1)[-1])
             if kind and ".layers." in f".{name}" and not isinstance(module.forward, QatLinear):
-                QatLinear(module, kind, fmt, arch, tp)
+                QatLinear(module, kind, fmt, arch, tp, active)
                 count += 1
     return count
+
+
+@contextlib.contextmanager
+def quantized_forward(chunks: list) -> Iterator[None]:
+    """Within the block, the wrapped linear layers of `chunks` compute with quantized weights (the
+    weight sync's probe of a `*_qdq` engine: the actor then computes what the engine computes)."""
+    from megatron_agent.weights.export import unwrap
+
+    wrappers = [
+        m.forward
+        for chunk in chunks
+        for m in unwrap(chunk).modules()
+        if isinstance(m.__dict__.get("forward"), QatLinear)
+    ]
+    before = [w.active for w in wrappers]
+    for w in wrappers:
+        w.active = True
+    try:
+        yield
+    finally:
+        for w, was in zip(wrappers, before):
+            w.active = was

@@ -42,10 +42,9 @@ class RolloutQuantizer:
 
     def quantize_unit(self, unit: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """A sync load unit with its linear weights quantized (the unit stays one unit)."""
-        from megatron_agent.quant.layout import layout_tensors, qdq_tensors
+        from megatron_agent.quant.layout import unit_tensors
 
-        convert = qdq_tensors if self.qdq else layout_tensors
-        return [pair for name, tensor in unit for pair in convert(self.fmt, name, tensor)]
+        return unit_tensors(self.fmt, unit, qdq=self.qdq)
 
 
 def rollout_quantizer(engine_infos: list[dict]) -> RolloutQuantizer | None:
@@ -70,10 +69,12 @@ def quantized_probe_tolerance(
     quantizer: RolloutQuantizer, model, dtype_tol: float, *, fp8_tol: float, nvfp4_tol: float
 ) -> float:
     """The probe's tolerance for quantized engines. The actor's probe runs its own forward: when
-    that forward sees the engine's quantized values (`actor.qat` in the same format, dequantized
-    engine weights) the two compute the same thing and the rollout dtype's tolerance `dtype_tol`
-    holds; otherwise the probe measures the quantization's policy gap too, and the format's own
-    tolerance applies (`sync.probe_tol_fp8`, `sync.probe_tol_nvfp4`)."""
-    if quantizer.qdq and getattr(model, "qat_format", None) == quantizer.fmt:
+    that forward sees the engine's quantized values (dequantized engine weights, and an actor
+    quantized alike: `actor.qat`, or its probe forward quantized, `probe_format`) the two compute
+    the same thing and the rollout dtype's tolerance `dtype_tol` holds; otherwise (real FP8/FP4
+    kernels) the probe measures the quantization's policy gap too, and the format's own tolerance
+    applies (`sync.probe_tol_fp8`, `sync.probe_tol_nvfp4`)."""
+    alike = quantizer.fmt in (getattr(model, "qat_format", None), getattr(model, "probe_format", None))
+    if quantizer.qdq and alike:
         return dtype_tol
     return fp8_tol if quantizer.fmt.kind == "fp8" else nvfp4_tol

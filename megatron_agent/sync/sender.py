@@ -11,6 +11,7 @@ Any failure raises `SyncError` with the same message on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -242,6 +243,7 @@ class WeightSender:
                 "bytes",
                 "num_buckets",
                 "produce_s",
+                "quantize_s",
                 "pack_s",
                 "alloc_s",
                 "wait_s",
@@ -342,7 +344,11 @@ class WeightSender:
                 return error
             if pipeline is not None and error is None:
                 try:
-                    pipeline.add(self.quantizer.quantize_unit(unit) if self.quantizer else unit)
+                    if self.quantizer is not None:  # ModelOpt's quantization (sync/quantize_s)
+                        t0 = time.perf_counter()
+                        unit = self.quantizer.quantize_unit(unit)
+                        stats["quantize_s"] += time.perf_counter() - t0
+                    pipeline.add(unit)
                 except SyncError as e:
                     error = str(e)  # keep producing: the TP peers are still in the gathers
 
@@ -370,8 +376,14 @@ class WeightSender:
         # One micro-batch for all the probe rows (rows are padded to the longest): a second
         # micro-batch doubled the cost of this forward, which is Python overhead at these sizes.
         rows = len(self.probe_ids) * max(map(len, self.probe_ids))
+        quantized = contextlib.nullcontext()
+        if getattr(self.model, "probe_format", None) is not None:  # `*_qdq` engines (quant/qat.py)
+            from megatron_agent.quant.qat import quantized_forward
+
+            quantized = quantized_forward(self.model.chunks)
         try:
-            actor = self.model.logprobs(self.probe_ids, max_tokens=rows)
+            with quantized:
+                actor = self.model.logprobs(self.probe_ids, max_tokens=rows)
         finally:
             torch.set_num_threads(threads)
         out: dict = {"actor_probe_s": time.perf_counter() - t0}

@@ -303,7 +303,22 @@ class MegatronWorker(MegatronRank, CriticRole):
             fmt = format_named(self.plan.qat_format)
             enable_qat(actor.chunks, actor.arch, fmt, opts.tp)
             actor.qat_format = fmt  # the sync's probe then holds the rollout dtype's tolerance
+        elif self.cfg.rollout.quantization.endswith("_qdq"):
+            self._quantized_probe(actor, opts.tp)
         return actor
+
+    def _quantized_probe(self, actor, tp: int) -> None:
+        """A `*_qdq` rollout without QAT: the actor's layers wrapped switched off, for the sync's
+        probe to compute with the engines' quantized weights (quant/qat.py `quantized_forward`)."""
+        from megatron_agent.quant.formats import rollout_format
+        from megatron_agent.quant.qat import enable_qat
+
+        fmt, _ = rollout_format(self.cfg.rollout.quantization, self.cfg.rollout.fp8_scales)
+        try:
+            enable_qat(actor.chunks, actor.arch, fmt, tp, active=False)
+            actor.probe_format = fmt
+        except ValueError:  # tiles the layout splits: the probe measures the gap (sync.probe_tol_*)
+            pass
 
     def restart_from(self, ckpt_dir: str) -> None:
         """Actor (with a fresh optimizer), reference and critic from `ckpt_dir` (after SFT)."""

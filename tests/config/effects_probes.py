@@ -309,10 +309,14 @@ def probe_sync(cfg, plan, env):
     model = types.SimpleNamespace(
         chunks=[torch.nn.Linear(4, 4)], opts=build_options(cfg), arch=types.SimpleNamespace(vocab_size=64)
     )
-    if plan.qat_format:  # as MegatronWorker._new_actor marks a QAT actor
+    if plan.qat_format:  # as MegatronWorker._new_actor marks a QAT actor ...
         from megatron_agent.quant.formats import format_named
 
         model.qat_format = format_named(plan.qat_format)
+    elif quantization:  # ... or one whose probe forward computes with the engines' quantized weights
+        from megatron_agent.quant.formats import rollout_format
+
+        model.probe_format = rollout_format(cfg.rollout.quantization, cfg.rollout.fp8_scales)[0]
     role = SyncRole(0, 0, 1, True, True, True, True)
     with mock.patch.object(SyncRole, "current", classmethod(lambda cls: role)):
         sender = WeightSender(model, cfg.sync, [endpoint], rollout_dtype=rollout_dtype(cfg))

@@ -12,6 +12,8 @@ GPU_ONLY = {
     "model.fp8": "Transformer Engine FP8 recipes; every value but '' is refused at load without a GPU",
     "model.ref_offload": "moves the reference's weights off the GPU; MegatronModel.offload is a no-op on CPU",
     "rollout.colocate": "only decides whether engines get GPUs of their own (Trainer.start)",
+    "sync.probe_tol_fp8": "the probe tolerance of real FP8 engines (rollout.quantization=fp8, GPU only)",
+    "sync.probe_tol_nvfp4": "the probe tolerance of real NVFP4 engines (nvfp4_w4a16, GPU only)",
     "sync.transport": "a Ray engine on a CPU host is reached by shm only (direct: in-process engines)",
 }
 
@@ -179,8 +181,6 @@ CONTEXT: dict[str, list[str]] = {
     "tools.python.tmp_mb": ["tools.enabled=[calculator,python]"],
     "tools.max_concurrent": ["tools.enabled=[calculator,python]"],
     "sync.probe_tol_bf16": ["model.dtype=bf16"],
-    "sync.probe_tol_fp8": ["rollout.quantization=fp8_qdq"],
-    "sync.probe_tol_nvfp4": ["rollout.quantization=nvfp4_qdq"],
     "actor.qat": ["rollout.quantization=fp8_qdq"],
     "trainer.resume": ["trainer.total_steps=2"],  # resumes after step 1, then trains step 2
     "checkpoint.keep_last": ["trainer.total_steps=2", "checkpoint.save_freq=1"],

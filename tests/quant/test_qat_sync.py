@@ -3,8 +3,8 @@
 engine started with `rollout.quantization=<format>_qdq` does).
 
 - What the engine is given to load equals ModelOpt's quantization (its `FP8QTensor` /
-  `NVFP4QTensor`, quantize then dequantize) of the actor's HF weights, bit for bit; every other
-  tensor is the actor's own.
+  `NVFP4QTensor`, quantize then dequantize; NVFP4 with a fused group's common amax) of the
+  actor's HF weights, bit for bit; every other tensor is the actor's own.
 - With `enable_qat`, the Megatron actor's log-probs equal those of the HF model whose linear
   weights were quantized by ModelOpt (1e-4, fp32): each TP shard quantized with its HF tensor's
   global amax is the whole tensor's quantization.
@@ -41,16 +41,34 @@ def launch(tiny_models, tmp_path_factory):
     return json.loads((out / "results.json").read_text()), out
 
 
-def _modelopt_qdq(name: str, w: torch.Tensor) -> torch.Tensor:
-    """ModelOpt's own quantize-dequantize of one weight, called directly (the reference)."""
+def _modelopt_qdq(name: str, w: torch.Tensor, group_amax: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's own quantize-dequantize of one weight, called directly (the reference); NVFP4's
+    second-level scale from the amax of the weight's fused group (q/k/v, gate/up), as ModelOpt's
+    export and vLLM's fused layers have it."""
     from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
 
     w = w.float()
     if name == "fp8":
         q, scale = FP8QTensor.quantize(w)
         return q.dequantize(dtype=torch.float32, scale=scale)
-    q, block, second = NVFP4QTensor.quantize(w, 16)
+    second = group_amax.float() / (6 * 448)
+    q, block, second = NVFP4QTensor.quantize(w, 16, weights_scaling_factor_2=second)
     return q.dequantize(dtype=torch.float32, scale=block, double_scale=second, block_sizes={-1: 16})
+
+
+def _quantized_state(fmt: str, state: dict) -> dict:
+    """`state`'s linear weights quantized by `_modelopt_qdq`, the rest as it is."""
+    from megatron_agent.quant.formats import is_quantized_linear
+    from megatron_agent.quant.layout import fused_group
+
+    out = {}
+    for name, w in state.items():
+        if not is_quantized_linear(name):
+            out[name] = w
+            continue
+        group_amax = torch.stack([state[n].abs().amax() for n in fused_group(name)]).amax()
+        out[name] = _modelopt_qdq(fmt, w, group_amax)
+    return out
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
@@ -70,9 +88,9 @@ def test_the_engine_is_given_modelopts_quantized_actor_weights_bit_for_bit(launc
     quantized = [n for n in actor if is_quantized_linear(n)]
     layers = {n.split(".")[2] for n in actor if n.startswith("model.layers.")}
     assert len(quantized) == 7 * len(layers)  # q, k, v, o, gate, up, down in every layer
+    reference = _quantized_state(fmt, actor)
     for name, tensor in given.items():
-        want = _modelopt_qdq(fmt, actor[name]) if name in quantized else actor[name]
-        assert torch.equal(tensor, want.to(tensor.dtype)), name
+        assert torch.equal(tensor, reference[name].to(tensor.dtype)), name
         if name in quantized:
             assert not torch.equal(tensor, actor[name]), name  # quantized, not passed through
 
@@ -85,9 +103,11 @@ def _hf_logprobs(model_path, fmt: str) -> list[torch.Tensor]:
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if fmt and is_quantized_linear(name):
-                param.copy_(_modelopt_qdq(fmt, param))
+        if fmt:
+            quantized = _quantized_state(fmt, {n: p.detach().clone() for n, p in model.named_parameters()})
+            for name, param in model.named_parameters():
+                if is_quantized_linear(name):
+                    param.copy_(quantized[name])
         out = []
         for seq in sequences():
             ids = torch.tensor([seq])

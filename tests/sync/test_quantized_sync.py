@@ -23,6 +23,7 @@ def _unit():
         ("model.layers.0.self_attn.q_proj.weight", torch.randn(64, 32, generator=g)),
         ("model.layers.0.self_attn.q_proj.bias", torch.randn(64, generator=g)),
         ("model.layers.0.self_attn.k_proj.weight", torch.randn(32, 32, generator=g)),
+        ("model.layers.0.self_attn.v_proj.weight", torch.randn(32, 32, generator=g) * 3),
     ]
 
 
@@ -37,7 +38,7 @@ def _unit():
 def test_a_quantized_unit_travels_bit_exactly_in_a_bf16_bucket(fmt, dtypes):
     quantized = RolloutQuantizer(fmt, FORMATS[fmt], qdq=False).quantize_unit(_unit())
     names = [n for n, _ in quantized]
-    scales = [f"model.layers.0.self_attn.{p}_proj.{s}" for p in "qk" for s in FORMATS[fmt].scale_suffixes]
+    scales = [f"model.layers.0.self_attn.{p}_proj.{s}" for p in "qkv" for s in FORMATS[fmt].scale_suffixes]
     assert set(names) == {n for n, _ in _unit()} | set(scales)
     weight_dtypes = [
         t.dtype for n, t in quantized if n.startswith("model.layers.0.self_attn.q_proj.") and "bias" not in n
@@ -66,8 +67,15 @@ def test_a_qdq_unit_is_modelopts_values_in_the_same_names():
     unit = _unit()
     got = RolloutQuantizer("nvfp4_qdq", FORMATS["nvfp4"], qdq=True).quantize_unit(unit)
     assert [n for n, _ in got] == [n for n, _ in unit]
-    assert torch.equal(got[0][1], fake_quantize(FORMATS["nvfp4"], unit[0][1]))
+    # NVFP4: q, k and v (one fused layer in vLLM) share the second-level scale of their common amax
+    amax = torch.stack([t.abs().amax() for n, t in unit if n.endswith("weight")]).amax()
+    assert float(amax) == float(unit[3][1].abs().amax())  # v's, the largest
+    for i in (0, 2, 3):
+        assert torch.equal(got[i][1], fake_quantize(FORMATS["nvfp4"], unit[i][1], global_amax=amax))
+    assert not torch.equal(got[0][1], fake_quantize(FORMATS["nvfp4"], unit[0][1]))
     assert torch.equal(got[1][1], unit[1][1])  # the bias stays
+    fp8 = RolloutQuantizer("fp8_qdq", FORMATS["fp8"], qdq=True).quantize_unit(unit)  # FP8: each its own
+    assert torch.equal(fp8[0][1], fake_quantize(FORMATS["fp8"], unit[0][1]))
 
 
 def test_the_engines_format_reaches_the_sender():
@@ -97,6 +105,8 @@ def test_the_probe_holds_the_dtype_tolerance_only_when_the_actor_is_quantized_al
     assert quantized_probe_tolerance(real, model, 1e-4, **tols) == cfg.probe_tol_nvfp4
     fp8 = RolloutQuantizer("fp8_qdq", FORMATS["fp8"], qdq=True)
     assert quantized_probe_tolerance(fp8, model, 1e-4, **tols) == cfg.probe_tol_fp8
+    model.probe_format = FORMATS["fp8"]  # a qdq run without QAT: the probe's forward is quantized
+    assert quantized_probe_tolerance(fp8, model, 1e-4, **tols) == 1e-4
 
 
 def test_a_qdq_engine_starts_from_the_models_own_folder(tiny_models, tmp_path):

@@ -1,7 +1,7 @@
 """Quantized rollout weights in the real trainer (vLLM engine, Megatron rank, Ray): NVFP4 weights
 dequantized into the engine (`rollout.quantization=nvfp4_qdq`) open a policy gap that the
 mismatch metrics measure; quantization-aware training (`actor.qat=nvfp4_w4a16`) closes it, the
-actor computing with the engine's weights (the probe then holds fp32's tolerance)."""
+actor computing with the engine's weights."""
 
 from __future__ import annotations
 
@@ -52,8 +52,7 @@ def test_qat_closes_the_policy_gap_of_nvfp4_rollout_weights(tmp_path):
     print(f"mismatch/mean_abs_diff without QAT {gap['plain']}, with QAT {gap['qat']}: {ratio:.3g}x smaller")
     assert min(gap["plain"]) > 1e-2  # NVFP4 weights: a gap far above fp32's (~1e-6)
     assert ratio >= 5
-    # The probe measured the gap against the unquantized actor (within sync.probe_tol_nvfp4) and,
-    # with QAT, the sync alone: the engine computes what the actor computes, as without quantization.
-    assert 1e-2 < plain[0]["sync/probe_max_abs"] < 1.0
-    assert qat[0]["sync/probe_max_abs"] < 1e-4
+    # Either way the probe checks the sync alone, at fp32's tolerance: its actor forward computes
+    # with the engine's quantized weights (QAT's, or switched on for the probe only).
+    assert plain[0]["sync/probe_max_abs"] < 1e-4 and qat[0]["sync/probe_max_abs"] < 1e-4
     assert plain[1]["mismatch/is_weight_max"] > 1.01  # truncated IS (rollout_is=auto) is at work

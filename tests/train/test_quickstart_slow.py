@@ -38,8 +38,8 @@ def test_quickstart_validation_accuracy_rises(tmp_path, seed, mode):
     val = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
     first, last = val[0], val[max(val)]
     print(f"{mode}, seed {seed}: val/accuracy {val}")
-    if mode == "nvfp4_qdq":  # the quantized rollout's policy gap shows, far above BF16's ~1e-6
+    if mode == "nvfp4_qdq":  # the quantized rollout's policy gap shows, far above fp32's ~1e-6
         gaps = [r["mismatch/mean_abs_diff"] for r in rows if "mismatch/mean_abs_diff" in r]
         print(f"nvfp4_qdq, seed {seed}: mismatch/mean_abs_diff {gaps}")
-        assert min(gaps) > 1e-2, gaps
+        assert min(gaps) > 1e-3, gaps
     assert last >= first + 0.15, val

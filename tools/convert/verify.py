@@ -11,6 +11,13 @@ When the HF weights have the checkpoint's dtype, both run in fp32 (the weights a
 identical, so any difference is a conversion error); otherwise (e.g. an fp32 model converted
 to bf16) both run in the checkpoint's dtype with its looser tolerances. Exit status 1 when a
 batch is above the tolerance for the compute dtype.
+
+A quantized export (`megatron_to_hf.py --quantize`: config.json has the `quantization_config` of
+`megatron_agent.quant.hf_folder`) is compared weight by weight instead, bit for bit: each linear
+weight dequantized by ModelOpt must equal the checkpoint's weight fake-quantized by ModelOpt
+(`quant.ops.fake_quantize`), every other tensor the checkpoint's rounded to bf16. Exit status 1
+names each tensor that differs (transformers cannot run these layouts on CPU; equal weights make
+the logits of any engine that dequantizes them the same).
 """
 
 from __future__ import annotations
@@ -62,6 +69,60 @@ def usable_tokenizer(folders: list[Path], vocab_size: int) -> tuple[Path | None,
     return None, "; ".join(reasons)
 
 
+def quantized_format(hf: str):
+    """The weight format of a quantized HF folder (None: not quantized); InputError for a
+    quantization_config that megatron-agent does not write."""
+    from megatron_agent.quant.hf_folder import folder_format
+
+    try:
+        return folder_format(hf)
+    except ValueError as exc:
+        raise InputError(f"--hf {hf}: {exc}") from None
+
+
+def verify_quantized(args, meta: dict, arch, fmt, single: bool) -> int:
+    """Compare the quantized folder --hf with the checkpoint weight by weight, bit for bit; 0 or 1."""
+    import torch.distributed as dist
+
+    from megatron_agent.checkpoint.model_io import load_checkpoint
+    from megatron_agent.models.build import BuildOptions, build_model_chunks
+    from megatron_agent.platform.parallel import destroy_model_parallel
+    from megatron_agent.quant.formats import is_quantized_linear
+    from megatron_agent.quant.hf_folder import compare_folder, weight_names
+    from megatron_agent.weights.export import iter_hf_tensors
+
+    if args.dtype != "auto" or args.atol_logits is not None or args.atol_logprobs is not None:
+        print(
+            "note: --dtype and --atol-* do not apply to a quantized folder: its weights are compared bit for bit"
+        )
+    opts = BuildOptions(tp=args.tp, pp=args.pp, dtype=meta["dtype"])  # the checkpoint's exact values
+    chunks = build_model_chunks(arch, opts, trainable=False, initialize=False)
+    load_checkpoint(args.ckpt, chunks, arch, verify=not single)
+    tensors = dict(iter_hf_tensors(chunks, arch))  # this pipeline stage's tensors, TP gathered
+    in_folder = weight_names(args.hf)
+    if arch.tied_embeddings and "lm_head.weight" in in_folder and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # the source stored the tied copy
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (compare_folder(args.hf, tensors, complete=False), sorted(tensors)))
+    problems = sorted({p for found, _ in gathered for p in found})
+    compared = {n for _, names in gathered for n in names}
+    problems += [f"{n}: in {args.hf} but not in the checkpoint" for n in sorted(set(in_folder) - compared)]
+    if dist.get_rank() == 0:
+        linear = sum(map(is_quantized_linear, compared))
+        print(
+            f"weights: {linear} linear ({fmt.name}, dequantized == the checkpoint's fake-quantized by ModelOpt) "
+            f"and {len(compared) - linear} other (== the checkpoint's in bf16), compared bit for bit"
+        )
+        for p in problems:
+            print(f"  differs: {p}")
+        print(
+            f"{'PASS' if not problems else 'FAIL'} ({fmt.name} folder against the {meta['dtype']} checkpoint's "
+            f"weights; {len(problems)} tensor(s) differ; tp={args.tp} pp={args.pp})"
+        )
+    destroy_model_parallel()
+    return 0 if not problems else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -91,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     # the same architecture, and the layout against the model and the processes.
     check_positive({"--batch": args.batch, "--seq-len": args.seq_len})
     arch = model_arch(args.hf, "--hf")
+    fmt = quantized_format(args.hf)
     single = int(os.environ.get("WORLD_SIZE", "1")) == 1
     meta = check_checkpoint(args.ckpt, hashes=single)
     from megatron_agent.checkpoint.model_io import check_arch
@@ -109,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
 
     init_model_parallel(args.tp, args.pp)
+    if fmt is not None:
+        return verify_quantized(args, meta, arch, fmt, single)
     compute = {"fp32": "fp32", "checkpoint": meta["dtype"]}.get(args.dtype)
     if compute is None:
         from megatron_agent.weights.hf_io import HFCheckpointReader

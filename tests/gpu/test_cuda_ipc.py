@@ -34,9 +34,9 @@ def _engine(requests, replies):
 
 
 def _bucket():
-    from megatron_agent.rollout.fp8 import Fp8Quantizer
+    from megatron_agent.quant.formats import FORMATS
     from megatron_agent.sync.buckets import BucketHeader, BucketWriter, default_algo, units_nbytes
-    from megatron_agent.sync.fp8 import wire_dtype
+    from megatron_agent.sync.quantizer import RolloutQuantizer, wire_dtype
     from megatron_agent.sync.transports import BucketBuffer
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -44,7 +44,7 @@ def _bucket():
         ("model.embed_tokens.weight", torch.randn(400, 64, device="cuda", generator=g)),
         ("model.layers.0.input_layernorm.weight", torch.randn(64, device="cuda", generator=g)),
     ]
-    unit += Fp8Quantizer("tensor").quantize_unit(
+    unit += RolloutQuantizer("fp8", FORMATS["fp8"], qdq=False).quantize_unit(
         [("model.layers.0.mlp.down_proj.weight", torch.randn(64, 256, device="cuda", generator=g))]
     )
     buf = BucketBuffer(units_nbytes(unit, torch.bfloat16), shared=False, device="cuda")

@@ -33,9 +33,10 @@ def _hf_logprobs(path, seqs) -> torch.Tensor:
 
 
 def _fp8_tensors(path, scales: str):
-    from megatron_agent.rollout.fp8 import Fp8Quantizer, iter_fp8_checkpoint
+    from megatron_agent.quant.formats import FORMATS
+    from megatron_agent.quant.hf_folder import iter_folder_tensors
 
-    return list(iter_fp8_checkpoint(path, Fp8Quantizer(scales)))
+    return list(iter_folder_tensors(path, FORMATS["fp8" if scales == "tensor" else "fp8_block128"]))
 
 
 def test_fp8_engine_serves_and_reloads_fp8_weights(tiny_models, tmp_path):
@@ -56,7 +57,7 @@ def test_fp8_engine_serves_and_reloads_fp8_weights(tiny_models, tmp_path):
         enforce_eager=True,
         cache_dir=str(tmp_path),
     )
-    assert engine.quantization == {"method": "fp8", "scales": "tensor"}
+    assert engine.quantization == {"quantization": "fp8", "format": "fp8"}
     receiver = WeightReceiver(engine)
     assert receiver.info()["quantization"] == engine.quantization  # what the sender quantizes for
     served_a = torch.tensor([x for row in receiver.probe(seqs) for x in row])

@@ -69,6 +69,20 @@ TINY_SFT_RL = [
 ]
 
 
+TINY_QUICKSTART = [
+    "sft.steps=2",
+    "sft.num_synthetic=32",
+    "sft.batch_size=8",
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=2",
+    "rollout.max_new_tokens=24",
+    "data.num_synthetic_val_tasks=2",
+    "trainer.test_freq=0",
+]
+"""The quickstart cut to a few seconds a step: the base of the whole-trainer tests' overrides."""
+
+
 def quickstart_train_cmd(run_dir, *overrides) -> list[str]:
     """`python -m megatron_agent train` on the quickstart config in `run_dir`, with overrides."""
     return [

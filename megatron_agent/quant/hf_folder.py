@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from megatron_agent.quant.formats import FORMATS, QuantFormat, is_quantized_linear
-from megatron_agent.quant.layout import fused_group, global_amax  # noqa: F401 - also this module's API
+from megatron_agent.quant.layout import GroupAmax, fused_group, global_amax  # noqa: F401 - also this module's API
 
 STAMP = "quantized_source.json"
 """The file that makes `write_quantized_folder` reuse a folder written from the same source."""
@@ -159,7 +159,7 @@ def check_vllm_shapes(fmt: QuantFormat, arch) -> None:
 
 def iter_folder_tensors(src: str | Path, fmt: QuantFormat) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the folder made from the HF folder `src`, one source tensor at a time
-    (NVFP4 reads a fused group's other members again for its amax: memory-mapped, cheap).
+    (NVFP4 reads a fused group's members once more for their common amax: memory-mapped).
     Raises ValueError before quantizing anything when vLLM could not load a weight's layout."""
     from megatron_agent.weights.hf_io import HFCheckpointReader
 
@@ -167,9 +167,9 @@ def iter_folder_tensors(src: str | Path, fmt: QuantFormat) -> Iterator[tuple[str
         for name in reader.names():
             if is_quantized_linear(name):
                 check_vllm_shape(fmt, name, tuple(reader.get_slice(name).get_shape()))
+        amax = GroupAmax(fmt, reader.get)
         for name in reader.names():
-            amax = global_amax(fmt, name, reader.get) if is_quantized_linear(name) else None
-            yield from quantized_tensors(fmt, name, reader.get(name), amax)
+            yield from quantized_tensors(fmt, name, reader.get(name), amax(name))
 
 
 def _stamp(src: Path, fmt: QuantFormat) -> dict:

@@ -41,6 +41,21 @@ def global_amax(fmt: QuantFormat, hf_name: str, get: Callable[[str], torch.Tenso
     return torch.stack([get(name).detach().abs().amax().float() for name in group]).amax()
 
 
+class GroupAmax:
+    """`global_amax` by name, each fused group's computed once (`get` reads a tensor by name)."""
+
+    def __init__(self, fmt: QuantFormat, get: Callable[[str], torch.Tensor]):
+        self.fmt, self.get, self.cache = fmt, get, {}
+
+    def __call__(self, hf_name: str) -> torch.Tensor | None:
+        if not is_quantized_linear(hf_name):
+            return None
+        key = tuple(fused_group(hf_name))
+        if key not in self.cache:
+            self.cache[key] = global_amax(self.fmt, hf_name, self.get)
+        return self.cache[key]
+
+
 def scale_names(fmt: QuantFormat, hf_name: str) -> list[str]:
     """The scale tensors' names that go with the linear weight `hf_name` in `fmt`'s layout."""
     base = hf_name.removesuffix("weight")
@@ -74,10 +89,6 @@ def unit_tensors(
     fmt: QuantFormat, unit: list[tuple[str, torch.Tensor]], *, qdq: bool
 ) -> list[tuple[str, torch.Tensor]]:
     """A sync load unit (a fused group travels as one unit) in the format's layout, or dequantized."""
-    tensors = dict(unit)
+    amax = GroupAmax(fmt, dict(unit).__getitem__)
     convert = qdq_tensors if qdq else layout_tensors
-    out = []
-    for name, tensor in unit:
-        amax = global_amax(fmt, name, tensors.__getitem__) if is_quantized_linear(name) else None
-        out += convert(fmt, name, tensor, amax)
-    return out
+    return [pair for name, tensor in unit for pair in convert(fmt, name, tensor, amax(name))]

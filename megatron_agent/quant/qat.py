@@ -31,6 +31,7 @@ the quantized weight carries, but this has not run on a GPU).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -38,6 +39,7 @@ import torch
 from megatron_agent.models.hf_config import ModelArch
 from megatron_agent.quant.formats import QuantFormat
 from megatron_agent.quant.ops import fake_quantize
+from megatron_agent.weights.mapping import ParamRule, full_to_hf, hf_to_full
 
 # The decoder's linear layers and how their weight splits into HF tensors.
 _KINDS = {"linear_qkv": "qkv", "linear_proj": "row", "linear_fc1": "gate_up", "linear_fc2": "row"}
@@ -103,24 +105,22 @@ class QatLinear:
         return join_pieces(self.kind, quantized, self.arch, self.tp)
 
 
+def _shard_arch(arch: ModelArch, tp: int) -> ModelArch:
+    """The architecture one tensor-parallel shard looks like (its share of the heads and groups)."""
+    return dataclasses.replace(
+        arch, num_attention_heads=arch.num_attention_heads // tp, num_query_groups=arch.num_query_groups // tp
+    )
+
+
 def split_pieces(kind: str, local: torch.Tensor, arch: ModelArch, tp: int) -> list[torch.Tensor]:
-    """A shard of a fused weight as its pieces of HF tensors: [q, k, v], [gate, up] or [itself]."""
-    if kind == "qkv":
-        groups, per_group, d = arch.num_query_groups // tp, arch.heads_per_group, arch.head_dim
-        g = local.reshape(groups, (per_group + 2) * d, local.shape[-1])
-        return [t.reshape(-1, local.shape[-1]) for t in torch.split(g, [per_group * d, d, d], dim=1)]
-    if kind == "gate_up":
-        return list(torch.chunk(local, 2, dim=0))
-    return [local]
+    """A shard of a fused weight as its pieces of HF tensors: [q, k, v], [gate, up] or [itself]
+    (the layout mapping's split, at the shard's share of the heads)."""
+    return full_to_hf(ParamRule("", (), kind), local, _shard_arch(arch, tp))
 
 
 def join_pieces(kind: str, pieces: list[torch.Tensor], arch: ModelArch, tp: int) -> torch.Tensor:
     """The inverse of `split_pieces`."""
-    if kind == "qkv":
-        groups = arch.num_query_groups // tp
-        q, k, v = (p.reshape(groups, -1, p.shape[-1]) for p in pieces)
-        return torch.cat([q, k, v], dim=1).reshape(-1, pieces[0].shape[-1])
-    return torch.cat(pieces, dim=0)
+    return hf_to_full(ParamRule("", (), kind), pieces, _shard_arch(arch, tp), padded_vocab=0)
 
 
 def check_tile_alignment(fmt: QuantFormat, arch: ModelArch, tp: int) -> None:

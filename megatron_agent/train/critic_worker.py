@@ -58,29 +58,17 @@ class CriticWorker(MegatronRank, CriticRole):
         )
 
         path = Path(folder)
-        self.save_error = ""
 
         def make():
             for sub in ("model", "optim"):
                 (path / sub).mkdir(parents=True)
 
         keep_write_results_in_process()
-        try:
+        with self._recording_save_error(folder):
             on_rank0(make)
             with discard_on_error(path):
                 self._write_critic(path)
-        except BaseException as exc:  # torch's CheckpointException is a BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            from megatron_agent.train.worker_state import save_error_message
-
-            self.save_error = save_error_message(exc, folder, self.rank)
-            raise RuntimeError(self.save_error) from exc
         return folder
-
-    def last_save_error(self) -> str:
-        """Why this rank's latest `save_critic` failed ('' when it did not)."""
-        return getattr(self, "save_error", "")
 
     def load_state(self, ckpt_dir: str) -> None:
         """Collective: the critic of a whole-run checkpoint (weights, optimizer, schedule, guard;

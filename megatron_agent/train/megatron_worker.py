@@ -9,6 +9,7 @@ return None.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -150,6 +151,26 @@ class MegatronRank:
             )
         tp, pp, vpp = layout[:3]
         init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=self.cfg.trainer.seed)
+
+    @contextlib.contextmanager
+    def _recording_save_error(self, path: str):
+        """Around a checkpoint write: a failure is kept as this rank's reason (`last_save_error`,
+        asked by the driver of every rank: Megatron raises the cause on one rank only) and raised
+        as a RuntimeError naming `path`."""
+        from megatron_agent.train.worker_state import save_error_message
+
+        self.save_error = ""
+        try:
+            yield
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            self.save_error = save_error_message(exc, path, self.rank)
+            raise RuntimeError(self.save_error) from exc
+
+    def last_save_error(self) -> str:
+        """Why this rank's latest checkpoint write failed ('' when it did not); answers only when idle."""
+        return getattr(self, "save_error", "")
 
 
 class MegatronWorker(MegatronRank, CriticRole):
@@ -393,8 +414,7 @@ class MegatronWorker(MegatronRank, CriticRole):
                 self.drills.reached("save", driver_state["step"])
 
         Path(ckpt_dir).parent.mkdir(parents=True, exist_ok=True)
-        self.save_error = ""
-        try:
+        with self._recording_save_error(ckpt_dir):
             save_checkpoint(
                 ckpt_dir,
                 self.actor.chunks,
@@ -408,18 +428,7 @@ class MegatronWorker(MegatronRank, CriticRole):
                     **({CRITIC_DIR: write_critic} if self.critic is not None or critic_staged else {}),
                 },
             )
-        except BaseException as exc:  # torch's CheckpointException is a BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            from megatron_agent.train.worker_state import save_error_message
-
-            self.save_error = save_error_message(exc, ckpt_dir, self.rank)
-            raise RuntimeError(self.save_error) from exc
         return ckpt_dir
-
-    def last_save_error(self) -> str:
-        """Why this rank's latest `save_state` failed ('' when it did not); answers only when idle."""
-        return getattr(self, "save_error", "")
 
     def load_state(self, ckpt_dir: str) -> int:
         """Collective: restore what `save_state` wrote (at any TP x PP layout); returns the step.

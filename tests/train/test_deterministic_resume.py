@@ -18,20 +18,12 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, quickstart_train_cmd
+from tests.conftest import REPO, TINY_QUICKSTART, quickstart_train_cmd
 from tests.train.faulty_tools import calls_text
 
 TINY = [
-    "sft.steps=2",
-    "sft.num_synthetic=32",
-    "sft.batch_size=8",
-    "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=2",
-    "rollout.n=2",
-    "rollout.max_new_tokens=24",
-    "data.num_synthetic_val_tasks=2",
+    *TINY_QUICKSTART,
     "trainer.total_steps=3",
-    "trainer.test_freq=0",
     "checkpoint.save_freq=1",
     "trainer.deterministic=true",
     "logging.plot=false",

@@ -19,18 +19,10 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO, quickstart_train_cmd
+from tests.conftest import REPO, TINY_QUICKSTART, quickstart_train_cmd
 
 TINY_PPO = [
-    "sft.steps=2",
-    "sft.num_synthetic=32",
-    "sft.batch_size=8",
-    "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=2",
-    "rollout.n=2",
-    "rollout.max_new_tokens=24",
-    "data.num_synthetic_val_tasks=2",
-    "trainer.test_freq=0",
+    *TINY_QUICKSTART,
     "checkpoint.save_freq=2",
     "trainer.deterministic=true",
     "logging.plot=false",

@@ -9,18 +9,10 @@ import json
 import os
 import subprocess
 
-from tests.conftest import REPO, quickstart_train_cmd
+from tests.conftest import REPO, TINY_QUICKSTART, quickstart_train_cmd
 
 TINY = [
-    "sft.steps=2",
-    "sft.num_synthetic=32",
-    "sft.batch_size=8",
-    "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=2",
-    "rollout.n=2",
-    "rollout.max_new_tokens=24",
-    "data.num_synthetic_val_tasks=2",
-    "trainer.test_freq=0",
+    *TINY_QUICKSTART,
     "checkpoint.save_freq=0",
     "logging.plot=false",
     "logging.progress_bars=false",

@@ -27,6 +27,7 @@ sync of FP8 and NVFP4 rollout weights over bf16's, whole syncs).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -234,7 +235,9 @@ def quantized_worker(args) -> None:
         results[case] = rounds
     if rank == 0:
         with HFCheckpointReader(args.model) as reader:
-            linear = sum(reader.get(n).numel() for n in reader.names() if is_quantized_linear(n))
+            linear = sum(
+                math.prod(reader.get_slice(n).get_shape()) for n in reader.names() if is_quantized_linear(n)
+            )
         quant_report(results, linear)
     dist.barrier()
 

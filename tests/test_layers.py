@@ -22,9 +22,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("train",),
     # Megatron -> engine weight sync; distributed checkpoints; the actor/reference loaded from HF
     ("sync", "checkpoint", "build_policy"),
-    # the vLLM engine, agent loop, trajectories, dumps and the engine's FP8 folder
+    # the vLLM engine, agent loop, trajectories, dumps and the engine's quantized folder
     ("rollout",),
-    # the HF <-> Megatron mapping table, safetensors reading, loading and export
+    # weight quantization (ModelOpt formats), QAT wrappers, quantized HF folders for vLLM
+    ("quant",),
+    # the HF <-> Megatron mapping table, safetensors reading, loading, export and folder writes
     ("weights",),
     # GPT build from HF configs, log-probs, forward/backward, MegatronModel, tiny models
     ("models",),

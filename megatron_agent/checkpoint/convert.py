@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_agent.checkpoint.layout import HF_DIR, MODEL_DIR, hf_side_files, publish, staging_dir
+from megatron_agent.checkpoint.layout import HF_DIR, MODEL_DIR
 from megatron_agent.checkpoint.lazy_save import lazy_save, storage_id
 from megatron_agent.checkpoint.manifest import BackgroundHasher, verify_manifest
 from megatron_agent.checkpoint.meta_model import build_meta_chunks
@@ -40,6 +40,7 @@ from megatron_agent.errors import InputError
 from megatron_agent.models.build import DTYPES, BuildOptions
 from megatron_agent.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config, padded_vocab_size
 from megatron_agent.weights.export import hf_tensors_from_full, is_tied_copy
+from megatron_agent.weights.folders import hf_side_files, publish, staging_dir
 from megatron_agent.weights.hf_io import HFCheckpointReader
 from megatron_agent.weights.hf_write import ShardedSafetensorsWriter, TensorSpec, parse_size
 from megatron_agent.weights.load import check_checkpoint_names, chunk_param_rules

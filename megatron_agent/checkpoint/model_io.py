@@ -23,15 +23,14 @@ from megatron_agent.checkpoint.layout import (
     HF_DIR,
     MODEL_DIR,
     copy_hf_side_files,
-    publish,
     read_meta,
-    staging_dir,
     write_meta,
 )
 from megatron_agent.checkpoint.manifest import verify_manifest, write_manifest
 from megatron_agent.models.build import DTYPES
 from megatron_agent.models.hf_config import ModelArch
 from megatron_agent.weights.export import unwrap
+from megatron_agent.weights.folders import publish, staging_dir
 from megatron_agent.weights.hf_io import HFCheckpointReader
 
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}

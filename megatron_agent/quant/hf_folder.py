@@ -196,7 +196,7 @@ def write_quantized_folder(
     """
     from safetensors.torch import save_file
 
-    from megatron_agent.checkpoint.layout import hf_side_files, publish, staging_dir
+    from megatron_agent.weights.folders import hf_side_files, publish, staging_dir
 
     src, dst = Path(src), Path(dst)
     stamp = _stamp(src, fmt)

@@ -72,7 +72,7 @@ class Saver:
         a staging folder next to it (a failed save's cleanup removes it); '' when colocated."""
         if self.trainer.critics is None:
             return ""
-        from megatron_agent.checkpoint.layout import staging_dir
+        from megatron_agent.weights.folders import staging_dir
 
         return self.trainer.critics.call("save_critic", str(staging_dir(path)))[0]
 

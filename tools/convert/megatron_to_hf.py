@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantize:
         check_quantizable(ckpt, args.quantize)
     from megatron_agent.checkpoint.convert import megatron_to_hf
-    from megatron_agent.checkpoint.layout import staging_dir
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel
+    from megatron_agent.weights.folders import staging_dir
 
     start = time.perf_counter()
     init_model_parallel(1, 1)

@@ -45,6 +45,7 @@ DUMP_FIELDS = ("uid", "response_ids", "token_source", "rollout_logprobs", "old_l
 FLOAT_NOISE = (
     "actor/grad_norm",
     "actor/pg_loss",
+    "sft/loss",  # a mean log-prob: seen 1 ulp apart between two processes (6.6036438 vs 6.6036432)
     "actor/entropy",
     "actor/ppo_kl",
     "mismatch/",

@@ -97,6 +97,27 @@ def quickstart_train_cmd(run_dir, *overrides) -> list[str]:
     ]
 
 
+def train_quickstart(run_dir, *overrides, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run `quickstart_train_cmd(run_dir, *overrides)` (one thread per process); fail the test,
+    with the end of its output, unless it exits 0."""
+    proc = subprocess.run(
+        quickstart_train_cmd(run_dir, *overrides),
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def metrics_by_step(run_dir) -> dict[int, dict]:
+    """The rows of `<run_dir>/metrics.jsonl` by step."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows}
+
+
 def _free_port() -> int:
     import socket
 
@@ -209,6 +230,8 @@ SLOW = {
     "train/test_resume_paths.py": 77,
     "convert/test_export_training.py": 73,
     "convert/test_convert.py": 63,
+    "convert/test_quantized_export.py::test_quantized_export": 50,  # the format: tests/quant/test_hf_folder.py
+    "convert/test_quantized_export.py::test_verify_fails": 0,  # shares the export's fixture
     "bench/test_bench_rollout.py": 20,
     "bench/test_bench_step.py": 31,
     "bench/test_bench_gpu_update.py": 6,

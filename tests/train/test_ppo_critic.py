@@ -12,14 +12,13 @@ critic back on the actor's ranks.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY_QUICKSTART, quickstart_train_cmd
+from tests.conftest import REPO, TINY_QUICKSTART, metrics_by_step, train_quickstart
 
 TINY_PPO = [
     *TINY_QUICKSTART,
@@ -40,21 +39,7 @@ TOL = dict(rel=1e-4, abs=1e-5)
 
 
 def _run(run_dir, *overrides):
-    proc = subprocess.run(
-        quickstart_train_cmd(run_dir, *TINY_PPO, *overrides),
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
-
-
-def _metrics(run_dir) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row for row in rows}
+    return train_quickstart(run_dir, *TINY_PPO, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +50,7 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_a_gae_run_trains_the_critic_first_then_both(uninterrupted):
-    m = _metrics(uninterrupted)
+    m = metrics_by_step(uninterrupted)
     warmup, both = m[1], m[2]
     for key in (
         "critic/vf_loss",
@@ -94,7 +79,7 @@ def test_the_critic_resumes_exactly(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     _run(run_dir, "trainer.total_steps=2")
     _run(run_dir, "trainer.total_steps=4")  # resumes from step 2
-    want, got = _metrics(uninterrupted), _metrics(run_dir)
+    want, got = metrics_by_step(uninterrupted), metrics_by_step(run_dir)
     for step in (3, 4):  # the same tokens sampled
         assert [r["response_ids"] for r in _dump(run_dir, step)] == [
             r["response_ids"] for r in _dump(uninterrupted, step)
@@ -126,7 +111,7 @@ def test_a_separate_critic_at_its_own_layout_repeats_the_colocated_run_and_resum
 ):
     run_dir = tmp_path / "run"
     _run(run_dir, "trainer.total_steps=2", "critic.placement=separate", "critic.pp=2")
-    want, got = _metrics(uninterrupted), _metrics(run_dir)
+    want, got = metrics_by_step(uninterrupted), metrics_by_step(run_dir)
     assert "timing_s/startup/critic" in got[0]  # its ranks started beside the actor's
     assert sorted(p.name for p in (run_dir / "logs").glob("critic_*.log")) == [
         f"critic_{r}.log" for r in range(2)
@@ -140,7 +125,7 @@ def test_a_separate_critic_at_its_own_layout_repeats_the_colocated_run_and_resum
     assert {p.name for p in (ckpts / "step_000002" / "critic").iterdir()} == {"model", "optim", "update.pt"}
     assert [p.name for p in ckpts.iterdir()] == ["step_000002"]  # no staging folder left behind
     _run(run_dir, "trainer.total_steps=4")  # resumes with the critic on the actor's ranks (TP1)
-    got = _metrics(run_dir)
+    got = metrics_by_step(run_dir)
     _assert_steps_equal(want, got, (3, 4))
     assert [r["response_ids"] for r in _dump(run_dir, 4)] == [
         r["response_ids"] for r in _dump(uninterrupted, 4)

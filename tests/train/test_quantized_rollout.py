@@ -1,19 +1,19 @@
 """Quantized rollout weights in the real trainer (vLLM engine, Megatron rank, Ray): NVFP4 weights
 dequantized into the engine (`rollout.quantization=nvfp4_qdq`) open a policy gap that the
 mismatch metrics measure; quantization-aware training (`actor.qat=nvfp4_w4a16`) closes it, the
-actor computing with the engine's weights."""
+actor computing with the engine's weights; a QAT run resumed from its checkpoint repeats the
+uninterrupted one (QAT keeps no state of its own: its scales come from the restored weights)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
-from tests.conftest import REPO, TINY_QUICKSTART, quickstart_train_cmd
+from tests.conftest import TINY_QUICKSTART, metrics_by_step, train_quickstart
+from tests.train.test_deterministic_resume import WALL_CLOCK, _assert_same_dump, _assert_same_step
 
 TINY = [
     *TINY_QUICKSTART,
-    "checkpoint.save_freq=0",
+    "trainer.deterministic=true",
     "logging.plot=false",
     "logging.progress_bars=false",
     "trainer.total_steps=2",
@@ -22,21 +22,19 @@ TINY = [
 
 
 def _run(run_dir, *overrides) -> dict[int, dict]:
-    proc = subprocess.run(
-        quickstart_train_cmd(run_dir, *TINY, *overrides),
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row for row in rows}
+    train_quickstart(run_dir, *TINY, *overrides)
+    return metrics_by_step(run_dir)
 
 
-def test_qat_closes_the_policy_gap_of_nvfp4_rollout_weights(tmp_path):
-    plain, qat = _run(tmp_path / "plain"), _run(tmp_path / "qat", "actor.qat=nvfp4_w4a16")
+def _dumps(run_dir, step: int) -> list[dict]:
+    lines = (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
+    fields = ("uid", "response_ids", "token_source", "rollout_logprobs", "old_logprobs", "advantages")
+    return [{k: json.loads(line)[k] for k in fields} for line in lines]
+
+
+def test_qat_closes_the_policy_gap_of_nvfp4_rollout_weights_and_resumes_exactly(tmp_path):
+    plain = _run(tmp_path / "plain", "checkpoint.save_freq=0")
+    qat = _run(tmp_path / "qat", "actor.qat=nvfp4_w4a16", "checkpoint.save_freq=1")
     gap = {
         name: [m[s]["mismatch/mean_abs_diff"] for s in (1, 2)] for name, m in (("plain", plain), ("qat", qat))
     }
@@ -48,3 +46,16 @@ def test_qat_closes_the_policy_gap_of_nvfp4_rollout_weights(tmp_path):
     # with the engine's quantized weights (QAT's, or switched on for the probe only).
     assert plain[0]["sync/probe_max_abs"] < 1e-4 and qat[0]["sync/probe_max_abs"] < 1e-4
     assert plain[1]["mismatch/is_weight_max"] > 1.01  # truncated IS (rollout_is=auto) is at work
+    # Resumed from the QAT run's step-1 checkpoint in another folder: step 2 samples the same
+    # tokens and trains to the same metrics (the log-prob quantities within 1e-5).
+    step_1 = tmp_path / "qat" / "checkpoints" / "step_000001"
+    resumed = _run(
+        tmp_path / "resumed", "actor.qat=nvfp4_w4a16", "checkpoint.save_freq=0", f"trainer.resume={step_1}"
+    )
+    assert not (tmp_path / "resumed" / "rollouts" / "step_000001.jsonl").exists()  # step 1 not rerun
+
+    def comparable(m):  # every metric but the wall-clock ones
+        return {k: v for k, v in m[2].items() if not k.startswith(WALL_CLOCK) and not k.endswith("_s")}
+
+    _assert_same_step(comparable(resumed), comparable(qat), 2)
+    _assert_same_dump(_dumps(tmp_path / "resumed", 2), _dumps(tmp_path / "qat", 2), 2)

@@ -9,13 +9,11 @@ original deleted, so that any absolute path stored in the checkpoint would point
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 
 import pytest
 
-from tests.conftest import REPO, TINY_SFT_RL, quickstart_train_cmd
+from tests.conftest import TINY_SFT_RL, metrics_by_step, train_quickstart
 
 TRAIN = [
     *TINY_SFT_RL,
@@ -29,24 +27,11 @@ TRAIN = [
 
 
 def _train(run_dir, *overrides):
-    proc = subprocess.run(
-        quickstart_train_cmd(run_dir, *TRAIN, *overrides),
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
+    return train_quickstart(run_dir, *TRAIN, *overrides)
 
 
 def _driver(run_dir, step):
     return json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "trainer" / "driver.json").read_text())
-
-
-def _metrics(run_dir):
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +58,13 @@ def test_a_copied_run_folder_resumes_from_its_own_files(moved):
     _, copy, resumed = moved
     assert f"resumed from {copy / 'checkpoints' / 'step_000001'} (step 1)" in resumed.stdout
     assert "continuing at step 2" in resumed.stdout
-    steps = sorted(_metrics(copy))
+    steps = sorted(metrics_by_step(copy))
     assert steps == [-2, -1, 0, 1, 2]  # SFT, validation, RL step 1 before the copy; step 2 after
 
 
 def test_adaptive_kl_controller_state_round_trips_through_the_checkpoint(moved):
     saved, copy, _ = moved
-    metrics = _metrics(copy)
+    metrics = metrics_by_step(copy)
     start = 0.05
     assert metrics[1]["critic/kl_coef"] == start
     value_1 = saved["kl_ctrl"]["value"]

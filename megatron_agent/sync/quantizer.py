@@ -71,9 +71,10 @@ def quantized_probe_tolerance(
     """The probe's tolerance for quantized engines. The actor's probe runs its own forward: when
     that forward sees the engine's quantized values (dequantized engine weights, and an actor
     quantized alike: `actor.qat`, or its probe forward quantized, `probe_format`) the two compute
-    the same thing and the rollout dtype's tolerance `dtype_tol` holds; otherwise (real FP8/FP4
-    kernels) the probe measures the quantization's policy gap too, and the format's own tolerance
-    applies (`sync.probe_tol_fp8`, `sync.probe_tol_nvfp4`)."""
+    the same thing and the rollout dtype's tolerance `dtype_tol` holds. Real FP8/FP4 kernels
+    compute otherwise (vLLM's `fp8` method also quantizes activations; an actor whose layout
+    splits a 128 x 128 tile probes unquantized): the format's own tolerance applies
+    (`sync.probe_tol_fp8`, `sync.probe_tol_nvfp4`)."""
     alike = quantizer.fmt in (getattr(model, "qat_format", None), getattr(model, "probe_format", None))
     if quantizer.qdq and alike:
         return dtype_tol

@@ -315,7 +315,13 @@ class MegatronWorker(MegatronRank, CriticRole):
     def _new_actor(self, opts):
         """The trainable actor from `self.model_path` with a fresh optimizer (the `actor` section)."""
         from megatron_agent.build_policy import policy_from_hf
+        from megatron_agent.models.build import resolve_transformer_impl
 
+        local_spec = resolve_transformer_impl(opts.transformer_impl) == "local"
+        if self.plan.qat_format and not local_spec:  # model.transformer_impl=auto chose TE
+            raise ValueError(
+                "actor.qat wraps the local spec's linear layers only: set model.transformer_impl=local"
+            )
         actor = policy_from_hf(self.model_path, opts, trainable=True, optim=optimizer_config(self.cfg))
         if self.plan.qat_format:  # its forward sees the rollout's quantized weights (quant/qat.py)
             from megatron_agent.quant.formats import format_named
@@ -324,13 +330,15 @@ class MegatronWorker(MegatronRank, CriticRole):
             fmt = format_named(self.plan.qat_format)
             enable_qat(actor.chunks, actor.arch, fmt, opts.tp)
             actor.qat_format = fmt  # the sync's probe then holds the rollout dtype's tolerance
-        elif self.cfg.rollout.quantization.endswith("_qdq"):
+        elif self.cfg.rollout.quantization and local_spec:
             self._quantized_probe(actor, opts.tp)
         return actor
 
     def _quantized_probe(self, actor, tp: int) -> None:
-        """A `*_qdq` rollout without QAT: the actor's layers wrapped switched off, for the sync's
-        probe to compute with the engines' quantized weights (quant/qat.py `quantized_forward`)."""
+        """A quantized rollout without QAT: the actor's layers wrapped switched off, for the sync's
+        probe to compute with the engines' quantized weights (quant/qat.py `quantized_forward`), so
+        that it checks the sync and not the quantization's policy gap (which reached 1.49 nats on
+        an unlikely token of an NVFP4 run)."""
         from megatron_agent.quant.formats import rollout_format
         from megatron_agent.quant.qat import enable_qat
 

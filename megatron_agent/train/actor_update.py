@@ -17,7 +17,7 @@ from megatron_agent.models.forward_backward import forward_backward, make_micro_
 from megatron_agent.rl import GuardBatch, StepGuard, agg_loss, compute_kl_loss, compute_policy_loss
 from megatron_agent.rl.aggregate import global_batch_counts
 from megatron_agent.rl.mismatch import rollout_is_weights
-from megatron_agent.train.batch import RLBatch, dp_shard
+from megatron_agent.train.batch import RLBatch, dp_shard, host_row
 from megatron_agent.train.update_metrics import accumulate
 
 
@@ -63,8 +63,8 @@ def shard_logprobs(
     """Forward-only log-probs (and entropy) of this DP rank's share of `sequences`; a critic's
     values (`MegatronModel.forward_only` of a value model; no entropy).
 
-    Returns (indices of the share, log-probs [L-1] each, entropy [L-1] each or None); the
-    tensors only on the last pipeline stage (None elsewhere).
+    Returns (indices of the share, log-probs [L-1] each, entropy [L-1] each or None), as
+    `host_row` arrays for the driver, only on the last pipeline stage (None elsewhere).
     """
     info = parallel_info()
     indices = dp_shard(list(range(len(sequences))), info.dp_rank, info.dp_size)
@@ -77,7 +77,7 @@ def shard_logprobs(
     model.offload()
     if logp is None:
         return indices, None, None
-    return indices, [t.cpu() for t in logp], None if entropy is None else [t.cpu() for t in entropy]
+    return indices, [host_row(t) for t in logp], None if entropy is None else [host_row(t) for t in entropy]
 
 
 def dp_loss_counts(micro_batches: list):
@@ -293,8 +293,8 @@ class PPOUpdate:
         for row, index in enumerate(batch_indices):
             n = int(mb.valid_BT[row].sum())
             self.captured["indices"].append(index)
-            self.captured["old"].append(mb.extras["old_logp"][row, :n].float().cpu().clone())
-            self.captured["entropy"].append(entropy_BT[row, :n].detach().float().cpu().clone())
+            self.captured["old"].append(host_row(mb.extras["old_logp"][row, :n]))
+            self.captured["entropy"].append(host_row(entropy_BT[row, :n]))
 
     def current_lr(self) -> float:
         """The learning rate of the next optimizer step."""

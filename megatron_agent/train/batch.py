@@ -124,6 +124,16 @@ def overlong_penalty(
     return -factor * ((lengths - start) / buffer_len).clamp(min=0.0, max=1.0)
 
 
+def host_row(t: torch.Tensor):
+    """A per-sequence row a Megatron rank returns to the driver: an fp32 numpy array of its own.
+
+    Not a tensor: megatron-core replaces `torch.storage._load_from_bytes` with its own function, so
+    a tensor pickled in a rank names megatron-core, and reading it would import megatron-core and
+    TensorBoard into the driver (60 MB) for nothing. Arrays also travel as out-of-band buffers.
+    `gather_rows` turns them back into tensors."""
+    return t.detach().float().cpu().numpy().copy()
+
+
 def dp_shard(indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
     """This data-parallel rank's share of `indices`: every dp_size-th, starting at dp_rank."""
     return indices[dp_rank::dp_size]

@@ -549,12 +549,14 @@ class PendingRollout:
 
 
 def gather_rows(batch: RLBatch, name: str, parts: list[tuple[list[int], list]]) -> list:
-    """One row per sequence of `batch` from the replicas' (indices, per-sequence tensors) pairs;
-    every sequence must be covered."""
+    """One tensor per sequence of `batch` from the replicas' (indices, per-sequence rows) pairs
+    (`batch.host_row` arrays, or tensors); every sequence must be covered."""
+    import numpy as np
+
     rows: list = [None] * len(batch)
     for indices, tensors in parts:
         for i, t in zip(indices, tensors):
-            rows[i] = t
+            rows[i] = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
     missing = [batch.uids[i] for i, r in enumerate(rows) if r is None]
     if missing:
         raise RuntimeError(f"no {name} came back for {len(missing)} sequences (first: {missing[0]})")

@@ -120,7 +120,7 @@ def test_a_separate_critic_at_its_own_layout_repeats_the_colocated_run_and_resum
     for step in (1, 2):  # the same tokens scored by the same critic at PP2 as at PP1
         for a, b in zip(_dump(uninterrupted, step), _dump(run_dir, step)):
             assert a["response_ids"] == b["response_ids"]
-            assert b["values"] == pytest.approx(a["values"], rel=0, abs=1e-5)
+            assert b["values"] == pytest.approx(a["values"], **TOL)  # 3e-5 apart seen, on values of -4.5
     ckpts = run_dir / "checkpoints"
     assert {p.name for p in (ckpts / "step_000002" / "critic").iterdir()} == {"model", "optim", "update.pt"}
     assert [p.name for p in ckpts.iterdir()] == ["step_000002"]  # no staging folder left behind

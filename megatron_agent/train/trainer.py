@@ -556,7 +556,7 @@ def gather_rows(batch: RLBatch, name: str, parts: list[tuple[list[int], list]]) 
     rows: list = [None] * len(batch)
     for indices, tensors in parts:
         for i, t in zip(indices, tensors):
-            rows[i] = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+            rows[i] = torch.from_numpy(t.copy()) if isinstance(t, np.ndarray) else t  # Ray's are read-only
     missing = [batch.uids[i] for i, r in enumerate(rows) if r is None]
     if missing:
         raise RuntimeError(f"no {name} came back for {len(missing)} sequences (first: {missing[0]})")

@@ -19,9 +19,9 @@ bit for bit the whole tensor's quantization restricted to the piece (tests/quant
 for 128 x 128 FP8 tiles it is when every piece starts on a tile boundary, which `enable_qat`
 checks (and refuses otherwise, naming the layout).
 
-A `*_qdq` rollout without `actor.qat` wraps the layers switched off: the weight sync's probe
-switches them on for its forward (`quantized_forward`), so it checks the sync at the rollout
-dtype's tolerance instead of measuring the quantization's policy gap.
+A quantized rollout without `actor.qat` wraps the layers switched off: the weight sync's probe
+switches them on for its forward (`quantized_forward`), so it checks the sync (at the rollout
+dtype's tolerance for a `*_qdq` engine) instead of measuring the quantization's policy gap.
 
 Not done: the Transformer Engine spec (its fused modules read their weights inside TE; refused at
 load), and runs on GPU (the fused weight-gradient path keeps working through `main_grad`, which
@@ -171,7 +171,7 @@ def enable_qat(chunks: list, arch: ModelArch, fmt: QuantFormat, tp: int, *, acti
 @contextlib.contextmanager
 def quantized_forward(chunks: list) -> Iterator[None]:
     """Within the block, the wrapped linear layers of `chunks` compute with quantized weights (the
-    weight sync's probe of a `*_qdq` engine: the actor then computes what the engine computes)."""
+    weight sync's probe of a quantized engine: the actor then computes with the engine's weights)."""
     from megatron_agent.weights.export import unwrap
 
     wrappers = [

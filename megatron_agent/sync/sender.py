@@ -377,7 +377,7 @@ class WeightSender:
         # micro-batch doubled the cost of this forward, which is Python overhead at these sizes.
         rows = len(self.probe_ids) * max(map(len, self.probe_ids))
         quantized = contextlib.nullcontext()
-        if getattr(self.model, "probe_format", None) is not None:  # `*_qdq` engines (quant/qat.py)
+        if getattr(self.model, "probe_format", None) is not None:  # quantized engines (quant/qat.py)
             from megatron_agent.quant.qat import quantized_forward
 
             quantized = quantized_forward(self.model.chunks)

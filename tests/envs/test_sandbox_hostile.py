@@ -484,13 +484,19 @@ def test_16_concurrent_hostile_calls_stay_within_the_cap(path, run_dir):
         "        time.sleep(1.5)\n        os._exit(0)\n"
         "time.sleep(1.5)\nprint('done')"
     )
+    bound, lost = cap * (BUDGET_MB + SLACK_MB) + NOISE_MB, []
     try:
-        with HostMemory() as host:
-            results = caller.gather([code] * 16)
+        # The host's memory also moves by itself (a VM's memory, processes of earlier tests ending):
+        # a figure above the bound is measured once more (1212-1325 MiB alone, once 1661 under the
+        # CI suite). A sandbox that let more than `cap` calls run at once exceeds it every time.
+        while len(lost) < 2 and (not lost or lost[-1] > bound):
+            with HostMemory() as host:
+                results = caller.gather([code] * 16)
+            assert all(r["status"] in ("ok", "error") for r in results), results
+            lost.append(host.lost_mb)
     finally:
         caller.close()
-    assert all(r["status"] in ("ok", "error") for r in results), results
-    assert host.lost_mb <= cap * (BUDGET_MB + SLACK_MB) + NOISE_MB, f"the host lost {host.lost_mb:.0f} MiB"
+    assert lost[-1] <= bound, f"the host lost {', then '.join(f'{x:.0f}' for x in lost)} MiB (bound {bound})"
     assert leftovers() == [] and call_cgroups() == []
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from megatron_agent.quant.formats import FORMATS, QuantFormat, is_quantized_linear
-from megatron_agent.quant.layout import GroupAmax, fused_group, global_amax  # noqa: F401 - also this module's API
+from megatron_agent.quant.layout import GroupAmax, fused_group, global_amax
 
 STAMP = "quantized_source.json"
 """The file that makes `write_quantized_folder` reuse a folder written from the same source."""
@@ -101,17 +101,12 @@ def quantized_tensors(
 ) -> list[tuple[str, torch.Tensor]]:
     """[(name, tensor)] of one HF tensor in a folder: a decoder linear weight as its quantized data
     and scales (`quant.layout`'s names; `amax`: `global_amax`), anything else in bf16."""
-    from megatron_agent.quant.layout import layout_tensors, scale_names
-    from megatron_agent.quant.ops import quantize
+    from megatron_agent.quant.layout import layout_tensors
 
     if not is_quantized_linear(hf_name):
         return [(hf_name, tensor.to(torch.bfloat16))]
     check_vllm_shape(fmt, hf_name, tuple(tensor.shape))
-    if amax is None:
-        return layout_tensors(fmt, hf_name, tensor)
-    qw = quantize(fmt, tensor, global_amax=amax)
-    names = scale_names(fmt, hf_name)
-    return [(hf_name, qw.data)] + [(n, qw.scales[s]) for n, s in zip(names, fmt.scale_suffixes)]
+    return layout_tensors(fmt, hf_name, tensor, amax)
 
 
 def check_vllm_shape(fmt: QuantFormat, hf_name: str, shape: tuple[int, ...]) -> None:

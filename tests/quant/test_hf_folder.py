@@ -31,11 +31,11 @@ from megatron_agent.quant.hf_folder import (
     STAMP,
     compare_folder,
     dequantized_state_dict,
-    fused_group,
     quantization_config,
     vllm_quantization_name,
     write_quantized_folder,
 )
+from megatron_agent.quant.layout import fused_group
 from megatron_agent.quant.ops import fake_quantize
 from megatron_agent.weights.hf_io import HFCheckpointReader
 

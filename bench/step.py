@@ -24,7 +24,9 @@ The sync's own breakdown (send, finish, probe) follows the table. Then a second 
 config with PPO's critic (`algorithm.adv_estimator=gae`, `--gae-steps` timed steps, default
 `--steps`; 0 skips it) times, in each step, the critic's value pass and update beside the actor's
 update at the same size and layout: `critic_ratio` = (timing_s/values + timing_s/update_critic)
-/ timing_s/update_actor of its median step (target <= 1.1). The last line is
+/ timing_s/update_actor of its median step (target <= 1.1); on the quickstart's on-policy steps
+the values come from the critic's update (no value pass: timing_s/values is absent, counted 0).
+Extra `key=value` arguments are overrides of both runs (`critic.values=pass` times the value pass). The last line is
 `overhead_ratio=X sync_share=Y step_s=S tree_rss_gb=M tree_pss_gb=P critic_ratio=C`: the share of the median
 step's time outside generation and update, the sync's share, the median step's seconds, and the
 peak memory of this process's tree (this driver, the Ray cluster it started, the Megatron ranks
@@ -167,10 +169,14 @@ def critic_ratio(rows: list[dict]) -> tuple[float, str]:
     """(critic_ratio, a line of its parts) of the median step (by the ratio) of a gae run."""
 
     def ratio(r):
-        return (r["timing_s/values"] + r["timing_s/update_critic"]) / r["timing_s/update_actor"]
+        return (r.get("timing_s/values", 0.0) + r["timing_s/update_critic"]) / r["timing_s/update_actor"]
 
     row = sorted(rows, key=ratio)[(len(rows) - 1) // 2]
-    parts = " ".join(f"{k}={row['timing_s/' + k]:.3f}" for k in ("values", "update_critic", "update_actor"))
+    parts = " ".join(
+        f"{k}={row.get('timing_s/' + k, 0.0):.3f}" for k in ("values", "update_critic", "update_actor")
+    )
+    if "timing_s/values" not in row:
+        parts += " (values from the critic's update: critic.values=auto, RunPlan.values_from_update)"
     return ratio(row), f"critic (gae run, median of {len(rows)} steps, seconds): {parts}"
 
 

@@ -49,6 +49,8 @@ class RunPlan:
     """The staleness bound eta of an async run (`async.max_staleness`); 0 in sync mode."""
     old_logprobs_from_update: bool
     """Old log-probs come from the update's own forward (else from a forward-only pass before it)."""
+    values_from_update: bool
+    """The critic's values come from its update's own forward (else from a value pass before it)."""
     num_mini_batches: int
     """Optimizer steps per PPO epoch of one RL step."""
     total_optimizer_steps: int
@@ -144,6 +146,27 @@ def old_logprobs_from_update(cfg: Config) -> bool:
     )
 
 
+def values_from_update(cfg: Config) -> bool:
+    """True when the critic's values before its update are taken from the update's own forward
+    (`critic.values`).
+
+    Only when that forward sees the weights the values are of: one critic epoch over one
+    mini-batch, and the critic on the actor's ranks (a separate critic computes its value pass
+    while the actor's log-probs are computed, and trains while the actor trains; taking the
+    values from its update would make the actor wait for it). GAE runs within each sequence, so
+    the update computes a micro-batch's returns from that micro-batch's values; the clip around
+    the old values does not bind (old = current) and the loss is the plain squared error.
+    """
+    c = cfg.critic
+    return (
+        cfg.algorithm.adv_estimator == "gae"
+        and c.values == "auto"
+        and c.placement == "colocated"
+        and c.ppo_epochs == 1
+        and num_mini_batches(cfg) == 1
+    )
+
+
 def checkpoint_root(cfg: Config) -> Path:
     """Where checkpoints go: `checkpoint.save_dir`, or `<trainer.run_dir>/checkpoints`."""
     return Path(cfg.checkpoint.save_dir or Path(cfg.trainer.run_dir) / "checkpoints")
@@ -177,6 +200,7 @@ def make_plan(cfg: Config) -> RunPlan:
         mode=cfg.trainer.mode,
         max_staleness=cfg.async_.max_staleness if cfg.trainer.mode == "async" else 0,
         old_logprobs_from_update=old_logprobs_from_update(cfg),
+        values_from_update=values_from_update(cfg),
         num_mini_batches=num_mini_batches(cfg),
         total_optimizer_steps=cfg.trainer.total_steps * cfg.actor.ppo_epochs * num_mini_batches(cfg),
         tools=tools,

@@ -284,6 +284,11 @@ class CriticConfig:
     """Global gradient-norm clip (0: off)."""
     ppo_epochs: PositiveInt = 1
     """Passes of the critic over each step's rollouts (the actor's mini-batches)."""
+    values: Literal["auto", "pass"] = "auto"
+    """Where the values before the update come from. 'auto': from the critic update's own forward
+    when that forward sees the weights the values are of (a colocated critic, one epoch, one
+    mini-batch: `RunPlan.values_from_update`), the step's returns computed there, sequence by
+    sequence; otherwise, and with 'pass', from a forward-only value pass before the update."""
     cliprange_value: PositiveFloat = 0.5
     """A value may move this far from the rollout's value before the clip stops its gradient."""
     init_from: str = ""

@@ -98,6 +98,24 @@ def _gae(rewards_BT, values_BT, mask_BT, gamma: float, lam: float):
 
 
 @torch.no_grad()
+def gae_returns(
+    token_rewards_BT: torch.Tensor,
+    values_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+) -> torch.Tensor:
+    """The critic's targets [B, T] of estimator 'gae': values + GAE(`gamma`, `lam`), 0 at masked
+    positions. Each row is computed from that row alone, with the same operations as
+    `compute_advantages`, so a sub-batch (a micro-batch, another padding length) gives its rows'
+    returns bit for bit (the critic's update computes them from its own forward's values)."""
+    mask = response_mask_BT.bool()
+    rewards = torch.where(mask, token_rewards_BT.float(), 0.0)
+    return _gae(rewards, values_BT.float(), mask, gamma, lam)[1]
+
+
+@torch.no_grad()
 def compute_advantages(
     estimator: str,
     token_rewards_BT: torch.Tensor,

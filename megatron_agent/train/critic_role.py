@@ -37,9 +37,9 @@ def critic_optimizer_config(cfg: Config):
     )
 
 
-def critic_update(cfg: Config, model, total_optimizer_steps: int, *, console: bool):
+def critic_update(cfg: Config, model, total_optimizer_steps: int, *, console: bool, values_from_update: bool):
     """The critic's update: its own guard (reports under `<run_dir>/critic/guard`), its LR schedule
-    over the same optimizer steps as the actor's."""
+    over the same optimizer steps as the actor's; `values_from_update`: `RunPlan.values_from_update`."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_agent.rl import StepGuard
@@ -52,7 +52,17 @@ def critic_update(cfg: Config, model, total_optimizer_steps: int, *, console: bo
     guard = StepGuard.from_config(cfg.algorithm, Path(cfg.trainer.run_dir) / CRITIC_DIR)
     guard.console = console
     scheduler = OptimizerParamScheduler(model.optimizer, **options)
-    return CriticUpdate(model, cfg.critic, guard, scheduler, micro_batch_tokens=cfg.actor.micro_batch_tokens)
+    algo = cfg.algorithm
+    return CriticUpdate(
+        model,
+        cfg.critic,
+        guard,
+        scheduler,
+        micro_batch_tokens=cfg.actor.micro_batch_tokens,
+        values_from_update=values_from_update,
+        gamma=algo.gamma,
+        lam=algo.lam if algo.lam_critic is None else algo.lam_critic,
+    )
 
 
 class CriticRole:
@@ -95,7 +105,13 @@ class CriticRole:
     def _make_critic_update(self) -> None:
         """The critic's update for the whole run (its schedule spans every optimizer step)."""
         steps = self.cfg.trainer.total_steps * self.cfg.critic.ppo_epochs * self.plan.num_mini_batches
-        self.critic_update = critic_update(self.cfg, self.critic, steps, console=self.rank == 0)
+        self.critic_update = critic_update(
+            self.cfg,
+            self.critic,
+            steps,
+            console=self.rank == 0,
+            values_from_update=self.plan.values_from_update,
+        )
 
     # ------------------------------------------------------------------------------ RL
     def values(self, sequences: list[list[int]]) -> dict | None:
@@ -112,11 +128,13 @@ class CriticRole:
 
     def train_critic(self, batch, mini_batch_indices: list[list[int]], step: int) -> dict | None:
         """The critic's update of one RL step; metric sums (and its wall time) on reporting ranks,
-        None elsewhere."""
+        None elsewhere. With values from the update, `captured`: this replica's values."""
         start = time.perf_counter()
         sums = self.critic_update.run(batch, mini_batch_indices)
         sums["critic/lr"] = self.critic_update.current_lr()
         sums["timing_s/update_critic"] = time.perf_counter() - start
+        if self.critic_update.values_from_update:
+            sums["captured"] = self.critic_update.captured
         return sums if self.info.reports else None
 
     # ------------------------------------------------------------------------------ run state

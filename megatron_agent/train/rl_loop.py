@@ -5,8 +5,9 @@
     scored batch  the training batch with its rewards (overlong penalty)    `scored_batch`
     log-probs     old (actor) and reference log-probs, forward only         `Trainer.logprobs`
     values        the critic's values, forward only (gae)                   `Trainer.submit_values`
-    advantages    KL in the reward, advantages; the rollout IS weights      `advantages`,
-                  when configured (the loss uses them)                      `importance_weights`
+    rewards       token rewards, the KL in the reward                       `token_rewards`
+    advantages    advantages; the rollout IS weights when configured        `advantages`,
+                  (the loss uses them)                                      `importance_weights`
     critic        the critic's epochs towards the returns (gae)             `Trainer.submit_train_critic`
     update        PPO epochs over mini-batches (the guard before every optimizer step; none in
                   the first `trainer.critic_warmup` steps of a gae run)     `Trainer.train`
@@ -18,6 +19,9 @@ Where old log-probs come from is decided once, in the plan (`RunPlan.old_logprob
 on-policy steps (one epoch, one mini-batch, no KL in the reward) take them from the update's own
 forward, and the loss computes the rollout IS weights from them (their metrics come after the
 update); otherwise the log-prob stage computes them and the IS weights come before the update.
+Likewise the critic's values (`RunPlan.values_from_update`): on such steps with a colocated
+critic, the critic's update runs before the advantages, its forward gives the values and it
+computes its returns from them; otherwise a value pass gives them and the critic trains after.
 Only `rl_step` attaches the stages' products to the batch. `Trainer` (trainer.py) owns the
 workers; this file is the algorithm. In an async run (`trainer.mode=async`) the rollout stage
 takes the batch admitted for this step (`RolloutPipeline.rollouts`; train/async_rollouts.py), the
@@ -96,7 +100,9 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
         m["rollout/engine_restarts"] = float(t.engine_restarts)  # cumulative over the run
         batch = scored_batch(t, rollouts)
 
-        values = t.submit_values(batch) if t.plan.uses_critic else None  # beside the log-probs when apart
+        plan = t.plan
+        value_pass = plan.uses_critic and not plan.values_from_update
+        values = t.submit_values(batch) if value_pass else None  # beside the log-probs when apart
         tensors, timings = t.logprobs(batch)  # old_logp, entropy (unless from the update), ref_logp
         batch.tensors.update(tensors)
         m.update(timings)
@@ -105,7 +111,14 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
             m.update(timings)
         mask_BT = batch.padded("loss_mask")
         with timer(m, "adv"):
-            adv = advantages(t, batch, rollouts, mask_BT, m)
+            rewards_BT = token_rewards(t, batch, mask_BT, m)
+        critic_m = None
+        if plan.values_from_update:  # the critic's update first: its forward gives the values
+            batch.set_padded("token_rewards", rewards_BT)
+            critic_m, tensors = t.submit_train_critic(batch, mini_batches(batch, 1), step).result()
+            batch.tensors.update(tensors)
+        with timer(m, "adv"):
+            adv = advantages(t, batch, rollouts, rewards_BT, mask_BT)
             batch.set_padded("advantages", adv.adv_BT)
             weights_now = t.plan.rollout_is != "none" and not t.plan.old_logprobs_from_update
             if weights_now:  # the log-prob stage computed the old log-probs
@@ -115,18 +128,20 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
                 batch.set_padded("is_weights", w_BT)
                 m.update(is_m)
 
-        num_mini = min(t.plan.num_mini_batches, len(set(batch.group_ids)))
+        num_mini = min(plan.num_mini_batches, len(set(batch.group_ids)))
         critic_update = None
-        if t.plan.uses_critic:  # the critic's update (beside the actor's when it has ranks of its own)
+        if value_pass:  # the critic's update (beside the actor's when it has ranks of its own)
             batch.set_padded("returns", adv.returns_BT)
             critic_update = t.submit_train_critic(batch, mini_batches(batch, num_mini), step)
-        if not (t.plan.uses_critic and step <= t.cfg.trainer.critic_warmup):
+        if not (plan.uses_critic and step <= t.cfg.trainer.critic_warmup):
             with timer(m, "update_actor"):
                 update_m, tensors = t.train(batch, mini_batches(batch, num_mini), step)
                 batch.tensors.update(tensors)  # old_logp, entropy: from the update's forward when on-policy
                 m.update(update_m)
         if critic_update is not None:
-            m.update(critic_update.result())  # with timing_s/update_critic, the critic ranks' own
+            critic_m = critic_update.result()[0]  # with timing_s/update_critic, the critic ranks' own
+        if critic_m is not None:
+            m.update(critic_m)
             m.update(critic_stats(batch, mask_BT, adv.returns_BT))
         with timer(m, "adv"):
             if t.plan.rollout_is != "none" and not weights_now:  # the loss computed them itself
@@ -171,9 +186,9 @@ def scored_batch(t: Trainer, rollouts: Rollouts) -> RLBatch:
     return batch_from_trajectories(trajectories, pad_id, group_ids=rollouts.group_ids, reward_offsets=penalty)
 
 
-def advantages(t: Trainer, batch: RLBatch, rollouts: Rollouts, mask_BT: torch.Tensor, m: dict) -> Advantages:
-    """Token rewards (the outcome reward, minus the KL in the reward when configured, whose
-    controller moves here) and the advantages of `algorithm.adv_estimator`."""
+def token_rewards(t: Trainer, batch: RLBatch, mask_BT: torch.Tensor, m: dict) -> torch.Tensor:
+    """Token rewards [B, T]: the outcome reward, minus the KL in the reward when configured (whose
+    controller moves here; its metrics go to `m`)."""
     algo = t.cfg.algorithm
     rewards_BT = outcome_token_rewards(batch)
     if algo.kl_reward_coef:
@@ -187,6 +202,14 @@ def advantages(t: Trainer, batch: RLBatch, rollouts: Rollouts, mask_BT: torch.Te
         )
         m["critic/kl_reward"], m["critic/kl_coef"] = float(kl_m["kl_reward"]), t.kl_ctrl.value
         t.kl_ctrl.update(m["critic/kl_reward"], len(batch))
+    return rewards_BT
+
+
+def advantages(
+    t: Trainer, batch: RLBatch, rollouts: Rollouts, rewards_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> Advantages:
+    """The advantages and returns of `algorithm.adv_estimator` from the token rewards."""
+    algo = t.cfg.algorithm
     remax, gae = algo.adv_estimator == "remax", algo.adv_estimator == "gae"
     adv_BT, returns_BT = compute_advantages(
         algo.adv_estimator,

@@ -402,15 +402,23 @@ class Trainer:
     def submit_train_critic(
         self, batch: RLBatch, mini_batch_indices: list[list[int]], step: int
     ) -> CriticCall:
-        """Start the critic's update; `.result()`: its metrics combined over the replicas
-        (update_metrics.py). A separate critic trains while the actor's update runs."""
+        """Start the critic's update; `.result()`: (its metrics combined over the replicas by
+        update_metrics.py, {"values": rows} when the values came from the update's forward
+        (`RunPlan.values_from_update`), else {}). A separate critic trains while the actor's
+        update runs."""
         import ray
 
         def finish(results):
-            m = combine_replicas([r for r in results if r is not None])
+            results = [r for r in results if r is not None]
+            captured = [r.pop("captured") for r in results if "captured" in r]
+            m = combine_replicas(results)
             if call.waited_s is not None:  # colocated: the wait, as the actor's update is timed
                 m["timing_s/update_critic"] = call.waited_s
-            return m
+            if not captured:
+                return m, {}
+            return m, {
+                "values": gather_rows(batch, "values", [(c["indices"], c["values"]) for c in captured])
+            }
 
         start = time.perf_counter()  # the batch's transfer counts, as in the actor's update
         call = CriticCall(self, finish, "train_critic", ray.put(batch), mini_batch_indices, step, start=start)

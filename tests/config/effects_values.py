@@ -150,6 +150,7 @@ CONTEXT: dict[str, list[str]] = {
     "trainer.critic_warmup": ["algorithm.adv_estimator=gae"],
     "critic.init_from": ["algorithm.adv_estimator=gae"],
     "critic.placement": ["algorithm.adv_estimator=gae"],
+    "critic.values": ["algorithm.adv_estimator=gae"],
     **{
         f"critic.{name}": [
             "algorithm.adv_estimator=gae",

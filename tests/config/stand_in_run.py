@@ -105,13 +105,19 @@ class FakeRank:
     def train_critic(self, batch, mini_batch_indices, step):
         if self.rank:
             return None
-        return {
+        out = {
             "critic/vf_loss": 0.1,
             "n_tokens": float(sum(m.sum() for m in batch.tensors["loss_mask"])),
             "n_optimizer_steps": float(len(mini_batch_indices)),
             "critic/lr": 1e-5,
             "timing_s/update_critic": 0.0,
         }
+        if self.plan.values_from_update:  # the values of the update's forward (as `values` gives)
+            out["captured"] = {
+                "indices": list(range(len(batch))),
+                "values": self.values(batch.sequences)["values"],
+            }
+        return out
 
     def train(self, batch, mini_batch_indices, step):
         if self.rank:

@@ -40,6 +40,28 @@ def test_a_setting_changes_the_plan(override, field, value):
     assert getattr(plan(override), field) == value
 
 
+GAE = "algorithm.adv_estimator=gae"
+
+
+@pytest.mark.parametrize(
+    "overrides, from_update",
+    [
+        ((GAE,), True),  # a colocated critic, one epoch, one mini-batch
+        ((), False),  # no critic
+        ((GAE, "critic.values=pass"), False),
+        ((GAE, "critic.ppo_epochs=2"), False),  # the second epoch's forward has moved on
+        ((GAE, "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"), False),
+        ((GAE, "critic.placement=separate"), False),  # its value pass overlaps the actor's
+        ((GAE, "actor.ppo_epochs=2"), True),  # the actor's epochs are the actor's
+        ((GAE, "trainer.critic_warmup=1"), True),
+    ],
+)
+def test_the_critic_takes_its_values_from_its_update_only_where_that_forward_is_at_the_old_weights(
+    overrides, from_update
+):
+    assert plan(*overrides).values_from_update is from_update
+
+
 def test_the_guard_off_needs_no_reference_for_its_kl_limit():
     assert not plan("algorithm.guard_max_abs_kl=1.0", "algorithm.guard_enabled=false").uses_reference
 

@@ -87,6 +87,10 @@ def main() -> None:
         grad_norms.append(info["grad_norm"])
     results["train"] = {"losses": losses, "grad_norms": grad_norms}
     results["guard"] = nan_step_is_skipped(critic, seqs, returns, args.out + ".guard")
+    results["fold"] = {
+        "pass": update_step(args.model, seqs, args.out + ".pass", from_update=False),
+        "update": update_step(args.model, seqs, args.out + ".update", from_update=True),
+    }
     destroy_model_parallel()
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
@@ -94,11 +98,100 @@ def main() -> None:
     dist.barrier()
 
 
+def _scheduler(optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=1e-3,
+        max_lr=1e-3,
+        min_lr=1e-3,
+        lr_warmup_steps=0,
+        lr_decay_steps=10,
+        lr_decay_style="constant",
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+
+
+def update_step(model: str, seqs, run_dir: str, *, from_update: bool) -> dict:
+    """One `CriticUpdate` step of a fresh critic (the same seed each time) on fixed token rewards,
+    with tool-like masked spans inside the rows: its values either from a value pass before it
+    and returns from `compute_advantages` on the whole batch (`from_update=False`, what the
+    driver does), or taken from the update's own forward (`values_from_update`). Returns the
+    values (all sequences, in order), the metric sums and the values after the step."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_agent.build_policy import critic_from_hf
+    from megatron_agent.config import AlgorithmConfig, CriticConfig
+    from megatron_agent.models.build import BuildOptions
+    from megatron_agent.models.policy import OptimConfig
+    from megatron_agent.rl import StepGuard, compute_advantages
+    from megatron_agent.train.batch import RLBatch
+    from megatron_agent.train.critic_update import CriticUpdate
+
+    critic = critic_from_hf(model, BuildOptions(tp=2, pp=1), optim=OptimConfig(lr=1e-3), seed=11)
+    g = torch.Generator().manual_seed(5)
+    masks, rewards = [], []
+    for s in seqs:
+        mask = torch.ones(len(s) - 1)
+        if len(s) > 10:
+            mask[3:6] = 0.0  # a tool's output between two turns
+        rewards.append(torch.where(mask.bool(), 0.1 * torch.randn(len(s) - 1, generator=g), 0.0))
+        masks.append(mask)
+    batch = RLBatch(
+        uids=[str(i) for i in range(len(seqs))],
+        group_ids=[str(i) for i in range(len(seqs))],
+        sequences=seqs,
+        rewards=torch.zeros(len(seqs)),
+        tensors={"loss_mask": masks, "token_rewards": rewards},
+    )
+    gamma, lam = 0.99, 0.9
+    if not from_update:
+        values = critic.values(seqs, max_tokens=64)  # every rank is a last stage at TP2 PP1
+        batch.tensors["values"] = values
+        _, returns_BT = compute_advantages(
+            "gae",
+            batch.padded("token_rewards"),
+            batch.padded("loss_mask"),
+            values_BT=batch.padded("values"),
+            gamma=gamma,
+            lam=lam,
+        )
+        batch.set_padded("returns", returns_BT)
+    update = CriticUpdate(
+        critic,
+        CriticConfig(),
+        StepGuard.from_config(AlgorithmConfig(), run_dir),
+        _scheduler(critic.optimizer),
+        micro_batch_tokens=64,
+        values_from_update=from_update,
+        gamma=gamma,
+        lam=lam,
+    )
+    sums = update.run(batch, [list(range(len(seqs)))])
+    if from_update:  # each replica's rows, gathered
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, [(i, v.tolist()) for i, v in zip(*update.captured.values())])
+        by_index = dict(pair for part in parts for pair in part)
+        values = [by_index[i] for i in range(len(seqs))]
+    else:
+        values = [v.tolist() for v in values]
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, sums if ps.get_tensor_model_parallel_rank() == 0 else None)
+    after = critic.values(seqs, max_tokens=64)
+    return {
+        "values": values,
+        "sums": [r for r in reports if r],
+        "after": [v.tolist() for v in after],
+    }
+
+
 def nan_step_is_skipped(critic, seqs, returns, run_dir: str) -> dict:
     """One `CriticUpdate` step whose old values hold a NaN in one sequence (on one data-parallel
     replica only): every rank must skip it, leaving every weight as it was."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     from megatron_agent.config import AlgorithmConfig, CriticConfig
     from megatron_agent.rl import StepGuard
     from megatron_agent.train.batch import RLBatch
@@ -114,20 +207,7 @@ def nan_step_is_skipped(critic, seqs, returns, run_dir: str) -> dict:
         tensors={"loss_mask": [torch.ones(len(s) - 1) for s in seqs], "values": old, "returns": returns},
     )
     guard = StepGuard.from_config(AlgorithmConfig(), run_dir)
-    scheduler = OptimizerParamScheduler(
-        critic.optimizer,
-        init_lr=1e-3,
-        max_lr=1e-3,
-        min_lr=1e-3,
-        lr_warmup_steps=0,
-        lr_decay_steps=10,
-        lr_decay_style="constant",
-        start_wd=0.0,
-        end_wd=0.0,
-        wd_incr_steps=1,
-        wd_incr_style="constant",
-    )
-    update = CriticUpdate(critic, CriticConfig(), guard, scheduler, micro_batch_tokens=64)
+    update = CriticUpdate(critic, CriticConfig(), guard, _scheduler(critic.optimizer), micro_batch_tokens=64)
     before = [p.detach().clone() for c in critic.chunks for p in c.parameters()]
     sums = update.run(batch, [list(range(len(seqs)))])
     unchanged = all(

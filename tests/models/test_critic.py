@@ -61,3 +61,25 @@ def test_the_value_loss_falls_at_tp2_with_two_data_parallel_replicas(results):
 def test_a_nan_in_one_replicas_values_skips_the_step_on_every_rank(results):
     ranks = results["guard"]["ranks"]
     assert ranks == [{"unchanged": True, "skipped": 1}] * 4, ranks
+
+
+def test_values_from_the_update_repeat_a_value_pass_and_its_step(results):
+    """`critic.values=auto` on on-policy steps: the update's forward gives the values (the same as
+    a value pass before it, 1e-5) and computes the returns micro-batch by micro-batch, with masked
+    spans inside the rows; the optimizer step is the one the driver's whole-batch returns give."""
+    passed, folded = results["fold"]["pass"], results["fold"]["update"]
+    for a, b in zip(folded["values"], passed["values"]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    assert len(folded["sums"]) == len(passed["sums"]) == 2  # one report per data-parallel replica
+    for a, b in zip(folded["sums"], passed["sums"]):
+        assert a["critic/guard_skipped"] == b["critic/guard_skipped"] == 0.0
+        for key in ("critic/vf_loss", "critic/vpred_mean", "critic/grad_norm", "n_tokens"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
+        assert a["critic/vf_clipfrac"] == b["critic/vf_clipfrac"] == 0.0
+    moved = max(
+        (torch.tensor(a) - torch.tensor(b)).abs().max().item()
+        for a, b in zip(passed["after"], passed["values"])
+    )
+    assert moved > 1e-3  # the step changed the values ...
+    for a, b in zip(folded["after"], passed["after"]):  # ... the same way
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_agent.rl.advantages import compute_advantages
+from megatron_agent.rl.advantages import compute_advantages, gae_returns
 from megatron_agent.rl.value_loss import clipped_value_loss, explained_variance
 
 
@@ -113,3 +113,27 @@ def test_gae_over_multi_turn_masks_against_a_serial_reference(seed):
         t, t_next = steps[gaps[0]], steps[gaps[0] + 1]
         delta = r[b, t] + gamma * v[b, t_next] - v[b, t]
         assert want_adv[b, t] == pytest.approx(delta + gamma * lam * want_adv[b, t_next])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_returns_of_a_micro_batch_are_the_whole_batchs_rows_bit_for_bit(seed):
+    """What the critic's update relies on when it computes the returns from its own forward
+    (`critic.values=auto`): rows taken in another order and padded to another length give the
+    returns `compute_advantages` gives on the whole batch, exactly."""
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = 6, 25
+    lengths = torch.randint(3, cols + 1, (rows,), generator=g)
+    mask = torch.rand(rows, cols, generator=g) > 0.3
+    mask &= torch.arange(cols)[None, :] < lengths[:, None]
+    rewards, values = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g)
+    gamma, lam, lam_critic = 0.99, 0.95, 0.8
+    _, want = compute_advantages(
+        "gae", rewards, mask, values_BT=values, gamma=gamma, lam=lam, lam_critic=lam_critic
+    )
+    pick = [4, 1, 3]
+    width = int(lengths[pick].max())
+    got = gae_returns(
+        rewards[pick, :width], values[pick, :width], mask[pick, :width], gamma=gamma, lam=lam_critic
+    )
+    assert torch.equal(got, want[pick, :width])
+    assert not want[pick, width:].any()

@@ -6,7 +6,9 @@ one of 2 steps, and its resume to 4: the resumed steps must repeat the uninterru
 (critic and actor alike), which needs the critic's weights, optimizer, LR schedule and guard in
 the checkpoint. A run with the critic on ranks of its own, at another layout (PP2 against the
 actor's PP1), must repeat the colocated run's steps, and its checkpoint must resume with the
-critic back on the actor's ranks.
+critic back on the actor's ranks. The colocated runs take the critic's values from its update's
+forward (`RunPlan.values_from_update`), the separate one from a value pass before its update:
+the comparison also holds the two ways of computing them equal.
 """
 
 from __future__ import annotations
@@ -60,10 +62,11 @@ def test_a_gae_run_trains_the_critic_first_then_both(uninterrupted):
         "critic/lr",
         "critic/values/mean",
         "critic/vf_explained_var",
-        "timing_s/values",
         "timing_s/update_critic",
     ):
         assert key in warmup and key in both, key
+    # on-policy steps with the critic on the actor's ranks: its update's forward gives the values
+    assert "timing_s/values" not in warmup and "timing_s/values" not in both  # (critic.values=auto)
     assert "actor/pg_loss" not in warmup and "actor/pg_loss" in both  # trainer.critic_warmup=1
     assert all(m[s]["critic/guard_skipped"] == 0.0 for s in m if s >= 1)
     dump = [
@@ -113,6 +116,9 @@ def test_a_separate_critic_at_its_own_layout_repeats_the_colocated_run_and_resum
     _run(run_dir, "trainer.total_steps=2", "critic.placement=separate", "critic.pp=2")
     want, got = metrics_by_step(uninterrupted), metrics_by_step(run_dir)
     assert "timing_s/startup/critic" in got[0]  # its ranks started beside the actor's
+    # its value pass (not its update's forward: critic.values=auto runs one when apart) gives the
+    # values that the colocated run's update took from its own forward
+    assert "timing_s/values" in got[1] and "timing_s/values" not in want[1]
     assert sorted(p.name for p in (run_dir / "logs").glob("critic_*.log")) == [
         f"critic_{r}.log" for r in range(2)
     ]

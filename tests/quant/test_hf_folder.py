@@ -224,6 +224,7 @@ def _vllm_load(out: Path, folders: dict[str, str]) -> None:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.quantization import fp8 as vllm_fp8
     from vllm.model_executor.layers.quantization import modelopt as vllm_modelopt
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
     from vllm.model_executor.model_loader.utils import initialize_model
@@ -236,8 +237,9 @@ def _vllm_load(out: Path, folders: dict[str, str]) -> None:
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
         initialize_model_parallel(1, 1)
-    # vLLM's W4A16 NVFP4 GEMM kernels exist on CUDA only; it picks one after registering the
-    # layer's weights, and loading does not use it.
+    # vLLM's W4A16 NVFP4 GEMM kernels exist on CUDA only, and its CPU kernels for FP8 in 128 x 128
+    # tiles need AMX (Sapphire Rapids or newer: not an AMD EPYC); it picks one after registering
+    # the layer's weights, and loading does not use it.
     no_kernel = types.SimpleNamespace(input_quant_key=lambda: None)
     report, served = {}, {}
     for folder, quantization in folders.items():
@@ -247,6 +249,7 @@ def _vllm_load(out: Path, folders: dict[str, str]) -> None:
             set_current_vllm_config(config),
             set_default_torch_dtype(config.model_config.dtype),
             mock.patch.object(vllm_modelopt, "select_linear_kernel", lambda *a, **k: no_kernel),
+            mock.patch.object(vllm_fp8, "init_fp8_linear_kernel", lambda *a, **k: no_kernel),
         ):
             model = initialize_model(vllm_config=config)
             files = [str(Path(folder) / "model.safetensors")]

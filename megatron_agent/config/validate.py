@@ -118,10 +118,12 @@ def _check_async(cfg: Config) -> list[str]:
     """Asynchronous RL needs an off-policy correction; the correction needs IS weights."""
     algo, problems = cfg.algorithm, []
     if cfg.trainer.mode == "async":
-        if algo.adv_estimator == "gae":
+        if algo.adv_estimator == "gae" and cfg.trainer.critic_warmup:
             problems.append(
-                "trainer.mode=async with algorithm.adv_estimator=gae: the critic runs in sync mode only "
-                "for now; use trainer.mode=sync or a critic-free estimator (grpo, rloo, ...)"
+                f"trainer.mode=async with trainer.critic_warmup={cfg.trainer.critic_warmup}: a warm-up "
+                "step does not update the actor, and the staleness bound counts one actor version per "
+                "step; set trainer.critic_warmup=0 (a critic warmed up in a sync run comes in with "
+                "critic.init_from)"
             )
         if not algo.off_policy_loss:
             problems.append(

@@ -93,7 +93,6 @@ def test_model_settings_reach_the_build_options():
         ("model.fp8=e4m3", "config key 'model.fp8'='e4m3': choose one of '', delayed, tensorwise"),
         ("actor.lr_decay=step", "config key 'actor.lr_decay'='step': choose one of constant, linear, cosine"),
         ("algorithm.adv_estimator=vtrace", "choose one of grpo, rloo"),
-        ("algorithm.adv_estimator=gae trainer.mode=async", "the critic runs in sync mode only"),
         ("model.logprob_chunk_tokens=0", "model.logprob_chunk_tokens=0 must be >= 1"),
     ],
 )
@@ -109,6 +108,11 @@ def test_settings_that_cannot_work_here_are_refused_at_load(override, message):
 ASYNC = ["trainer.mode=async", "algorithm.off_policy_loss=decoupled"]
 
 
+def test_a_critic_runs_in_async_mode_with_its_values_from_its_update():
+    p = plan(*ASYNC, "algorithm.adv_estimator=gae")
+    assert p.mode == "async" and p.uses_critic and p.values_from_update
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -120,6 +124,10 @@ ASYNC = ["trainer.mode=async", "algorithm.off_policy_loss=decoupled"]
         ([*ASYNC, "algorithm.rollout_is=none"], "algorithm.rollout_is=none turns those weights off"),
         ([*ASYNC, "algorithm.dynamic_sampling=true"], "not supported with trainer.mode=async yet"),
         ([*ASYNC, "algorithm.adv_estimator=remax"], "remax is not supported with trainer.mode=async"),
+        (
+            [*ASYNC, "algorithm.adv_estimator=gae", "trainer.critic_warmup=1"],
+            "trainer.mode=async with trainer.critic_warmup=1: a warm-up step does not update the actor",
+        ),
         (
             [*ASYNC, "async.interrupt_after_engine_steps=0"],
             "async.interrupt_after_engine_steps=0 must be >= 1",

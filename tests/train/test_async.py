@@ -3,6 +3,7 @@
 - staleness 0 is the synchronous run: `trainer.mode=async async.max_staleness=0` against
   `trainer.mode=sync` with the same knobs (the decoupled loss in both): the same rollout dumps
   (tokens, provenance, policy versions, masks) and the same metrics, bar the async-only ones;
+  likewise with PPO's critic (slow);
 - eta = 1 (slow): every trained token at most one version old, some exactly one (the engines
   generated ahead); each sync interrupts the batch generating ahead at a fixed engine step, its
   requests continue under the new weights, and their tokens agree with the trainer at the new
@@ -40,6 +41,7 @@ DUMP_FIELDS = (
     "rollout_logprobs",
     "old_logprobs",
     "advantages",
+    "values",
 )
 
 
@@ -67,8 +69,22 @@ def _versions(dump_rows) -> set[int]:
 
 
 def test_staleness_0_is_the_synchronous_run(tmp_path):
-    _train(tmp_path / "sync", *DECOUPLED)
-    _train(tmp_path / "async0", *DECOUPLED, "trainer.mode=async", "async.max_staleness=0")
+    _assert_staleness_0_is_the_synchronous_run(tmp_path)
+
+
+def test_staleness_0_with_a_critic_is_the_synchronous_run(tmp_path):
+    """PPO's critic in async mode (its values from its update's forward, as in sync mode)."""
+    dumps = _assert_staleness_0_is_the_synchronous_run(
+        tmp_path, "algorithm.adv_estimator=gae", "critic.lr=1e-3"
+    )
+    assert all(row["values"] for step in dumps for row in dumps[step])  # compared above, with the rest
+    rows = [json.loads(line) for line in (tmp_path / "async0" / "metrics.jsonl").read_text().splitlines()]
+    assert all("critic/vf_loss" in r and r["critic/guard_skipped"] == 0.0 for r in rows if r["step"] >= 1)
+
+
+def _assert_staleness_0_is_the_synchronous_run(tmp_path, *overrides):
+    _train(tmp_path / "sync", *DECOUPLED, *overrides)
+    _train(tmp_path / "async0", *DECOUPLED, *overrides, "trainer.mode=async", "async.max_staleness=0")
     sync, async0 = _comparable(tmp_path / "sync"), _comparable(tmp_path / "async0")
     assert sorted(sync[0]) == sorted(async0[0])
     for step in sync[0]:
@@ -80,6 +96,7 @@ def test_staleness_0_is_the_synchronous_run(tmp_path):
     assert all(rows[s]["async/staleness/max"] == 0 for s in range(1, STEPS + 1))
     assert rows[STEPS]["async/admitted_groups"] == 2 * STEPS  # data.train_batch_size=2 per step
     assert all(m["critic/advantages/max"] > 0 for s, m in sync[0].items() if s >= 1)  # updates moved
+    return async0[1]
 
 
 ETA1 = [

@@ -224,6 +224,7 @@ SLOW = {
     "train/test_deterministic_resume.py::test_a_run_killed": 137,  # 5 trainer launches
     "train/test_async.py::test_eta_1": 230,  # 5 trainer launches
     "train/test_async.py::test_staleness_0_with_a_critic": 45,
+    "train/test_async.py::test_eta_1_with_a_critic": 90,
     "train/test_async.py::test_sigterm": 90,
     "train/test_async.py::test_an_engine": 60,
     "train/test_async.py::test_eta_2": 45,

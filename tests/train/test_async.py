@@ -169,6 +169,21 @@ def test_sigterm_saves_the_admitted_batch_exits_0_and_resumes_exactly(eta1, tmp_
     _assert_same_run(_comparable(run_dir), eta1)
 
 
+def test_eta_1_with_a_critic_stopped_by_sigterm_resumes_exactly(tmp_path):
+    """PPO's critic at eta = 1: its weights, optimizer and schedule and the admitted batch in the
+    checkpoint; the resumed run repeats the uninterrupted one (values included)."""
+    gae = ["algorithm.adv_estimator=gae", "critic.lr=1e-3"]
+    _train(tmp_path / "uninterrupted", *DECOUPLED, *ETA1, *gae)
+    want = _comparable(tmp_path / "uninterrupted")
+    run_dir = tmp_path / "signalled"
+    stopped = sigterm_after_step_1(_cmd(run_dir, *DECOUPLED, *ETA1, *gae), run_dir, _env(), timeout=600)
+    assert stopped.returncode == 0, f"{stopped.stdout[-2000:]}\n{stopped.stderr[-4000:]}"
+    assert (run_dir / "checkpoints" / "step_000001" / "critic" / "update.pt").is_file()
+    _train(run_dir, *DECOUPLED, *ETA1, *gae, "trainer.resume=auto")
+    _assert_same_run(_comparable(run_dir), want)
+    assert all(row["values"] for step in want[1] for row in want[1][step])
+
+
 def test_an_engine_killed_while_the_actor_updates_rolls_out_again_under_honest_versions(tmp_path):
     # eta = 1: batch 4 generates (at version 3) while step 3 updates. Engine 0 kills itself in
     # that rollout; the check before step 3's sync finds it dead, starts a new engine and syncs

@@ -203,5 +203,5 @@ def compute_advantages(
         raise ValueError(f"values_BT {tuple(values_BT.shape)} does not match the rewards {tuple(mask.shape)}")
     adv_BT, returns_BT = _gae(rewards, values_BT.float(), mask, gamma, lam)
     if lam_critic is not None and lam_critic != lam:
-        returns_BT = _gae(rewards, values_BT.float(), mask, gamma, lam_critic)[1]
+        returns_BT = gae_returns(rewards, values_BT, mask, gamma=gamma, lam=lam_critic)
     return (_whiten(adv_BT, mask, eps) if whiten_gae else adv_BT), returns_BT

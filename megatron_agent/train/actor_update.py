@@ -17,7 +17,7 @@ from megatron_agent.models.forward_backward import forward_backward, make_micro_
 from megatron_agent.rl import GuardBatch, StepGuard, agg_loss, compute_kl_loss, compute_policy_loss
 from megatron_agent.rl.aggregate import global_batch_counts
 from megatron_agent.rl.mismatch import rollout_is_weights
-from megatron_agent.train.batch import RLBatch, dp_shard, host_row
+from megatron_agent.train.batch import RLBatch, dp_shard, host_row, keep_rows
 from megatron_agent.train.update_metrics import accumulate
 
 
@@ -172,7 +172,14 @@ class PPOUpdate:
             mask = mb.extras["loss_mask"].bool() & mb.valid_BT
             if self.old_from_update:
                 mb.extras["old_logp"] = logp_BT.detach()
-                self._capture(mb, [mine[i] for i in mb.indices], entropy_BT)
+                # the step's `old_logp` and `entropy`, row by row
+                keep_rows(
+                    self.captured,
+                    mb,
+                    [mine[i] for i in mb.indices],
+                    old=mb.extras["old_logp"],
+                    entropy=entropy_BT,
+                )
                 if self.rollout_is is not None:
                     mb.extras["is_weights"] = self.is_weights(mb.extras, mask)
             loss, metrics = self.objective(
@@ -287,14 +294,6 @@ class PPOUpdate:
             mode=mode,
         )
         return weights
-
-    def _capture(self, mb, batch_indices: list[int], entropy_BT) -> None:
-        """Keep each row's old log-probs and entropy [L-1] (the step's `old_logp` and `entropy`)."""
-        for row, index in enumerate(batch_indices):
-            n = int(mb.valid_BT[row].sum())
-            self.captured["indices"].append(index)
-            self.captured["old"].append(host_row(mb.extras["old_logp"][row, :n]))
-            self.captured["entropy"].append(host_row(entropy_BT[row, :n]))
 
     def current_lr(self) -> float:
         """The learning rate of the next optimizer step."""

@@ -134,6 +134,16 @@ def host_row(t: torch.Tensor):
     return t.detach().float().cpu().numpy().copy()
 
 
+def keep_rows(captured: dict[str, list], mb, batch_indices: list[int], **rows_BT: torch.Tensor) -> None:
+    """Append a micro-batch's rows to `captured` as the driver takes them back: each row's batch
+    index under "indices" and, per keyword, its first L-1 values (its valid targets, `host_row`)."""
+    for row, index in enumerate(batch_indices):
+        n = int(mb.valid_BT[row].sum())
+        captured["indices"].append(index)
+        for key, values_BT in rows_BT.items():
+            captured[key].append(host_row(values_BT[row, :n]))
+
+
 def dp_shard(indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
     """This data-parallel rank's share of `indices`: every dp_size-th, starting at dp_rank."""
     return indices[dp_rank::dp_size]

@@ -9,8 +9,9 @@ GAE, with the clipped value loss of rl/value_loss.py around the values the rollo
 with. When the values come from the update itself (`RunPlan.values_from_update`: one epoch, one
 mini-batch), each micro-batch's forward gives its values, detached, and its returns are computed
 there from the step's token rewards (`rl.advantages.gae_returns`: GAE runs within a sequence);
-the values are kept, row by row, for the driver's advantages. Its guard checks the loss and the gradients before every optimizer step: a non-finite one
-skips the step on every rank (weights and optimizer state unchanged) and writes a report.
+the values are kept, row by row, for the driver's advantages. Its guard checks the loss and the
+gradients before every optimizer step: a non-finite one skips the step on every rank (weights
+and optimizer state unchanged) and writes a report.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from megatron_agent.rl import StepGuard
 from megatron_agent.rl.advantages import gae_returns
 from megatron_agent.rl.value_loss import clipped_value_loss
 from megatron_agent.train.actor_update import dp_loss_counts, guarded_step, parallel_info, zero_grads
-from megatron_agent.train.batch import RLBatch, dp_shard, host_row
+from megatron_agent.train.batch import RLBatch, dp_shard, keep_rows
 from megatron_agent.train.update_metrics import accumulate
 
 
@@ -126,10 +127,7 @@ class CriticUpdate:
         mb.extras["returns"] = gae_returns(
             mb.extras["token_rewards"], old, mask, gamma=self.gamma, lam=self.lam
         )
-        for row, index in enumerate(batch_indices):
-            n = int(mb.valid_BT[row].sum())
-            self.captured["indices"].append(index)
-            self.captured["values"].append(host_row(old[row, :n]))
+        keep_rows(self.captured, mb, batch_indices, values=old)
 
     def current_lr(self) -> float:
         """The learning rate of the next optimizer step."""

@@ -90,7 +90,7 @@ class Advantages:
 def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> dict[str, float]:
     """One RL step; returns its metrics (DESIGN.md names). `pipeline`: an async run's admitted
     rollouts (train/async_rollouts.py); None: generate this step's rollouts now."""
-    algo, m = t.cfg.algorithm, {"step": step}
+    algo, plan, m = t.cfg.algorithm, t.plan, {"step": step}
     with timer(m, "step"):
         with timer(m, "gen"):
             rollouts = collect_rollouts(t, m) if pipeline is None else pipeline.rollouts(step, m)
@@ -100,7 +100,6 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
         m["rollout/engine_restarts"] = float(t.engine_restarts)  # cumulative over the run
         batch = scored_batch(t, rollouts)
 
-        plan = t.plan
         value_pass = plan.uses_critic and not plan.values_from_update
         values = t.submit_values(batch) if value_pass else None  # beside the log-probs when apart
         tensors, timings = t.logprobs(batch)  # old_logp, entropy (unless from the update), ref_logp
@@ -120,11 +119,9 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
         with timer(m, "adv"):
             adv = advantages(t, batch, rollouts, rewards_BT, mask_BT)
             batch.set_padded("advantages", adv.adv_BT)
-            weights_now = t.plan.rollout_is != "none" and not t.plan.old_logprobs_from_update
+            weights_now = plan.rollout_is != "none" and not plan.old_logprobs_from_update
             if weights_now:  # the log-prob stage computed the old log-probs
-                w_BT, is_m = importance_weights(
-                    batch, mask_BT, algo, t.plan.rollout_is, t.plan.rollout_is_mode
-                )
+                w_BT, is_m = importance_weights(batch, mask_BT, algo, plan.rollout_is, plan.rollout_is_mode)
                 batch.set_padded("is_weights", w_BT)
                 m.update(is_m)
 
@@ -144,10 +141,8 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
             m.update(critic_m)
             m.update(critic_stats(batch, mask_BT, adv.returns_BT))
         with timer(m, "adv"):
-            if t.plan.rollout_is != "none" and not weights_now:  # the loss computed them itself
-                m.update(
-                    importance_weights(batch, mask_BT, algo, t.plan.rollout_is, t.plan.rollout_is_mode)[1]
-                )
+            if plan.rollout_is != "none" and not weights_now:  # the loss computed them itself
+                m.update(importance_weights(batch, mask_BT, algo, plan.rollout_is, plan.rollout_is_mode)[1])
             m.update(mismatch(batch, mask_BT, algo))
             m.update(batch_stats(batch, mask_BT, adv.adv_BT, adv.returns_BT))
         if pipeline is not None:
@@ -158,7 +153,7 @@ def rl_step(t: Trainer, step: int, pipeline: RolloutPipeline | None = None) -> d
                     batch.padded("rollout_logp"),
                     mask_BT,
                     trainer_version=t.weight_version,
-                    max_staleness=t.plan.max_staleness,
+                    max_staleness=plan.max_staleness,
                 )
             )
             pipeline.before_sync(step)  # the sync then interrupts the rollouts in flight

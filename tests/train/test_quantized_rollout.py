@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import TINY_QUICKSTART, metrics_by_step, train_quickstart
 from tests.train.test_deterministic_resume import WALL_CLOCK, _assert_same_dump, _assert_same_step
 
@@ -32,9 +34,16 @@ def _dumps(run_dir, step: int) -> list[dict]:
     return [{k: json.loads(line)[k] for k in fields} for line in lines]
 
 
-def test_qat_closes_the_policy_gap_of_nvfp4_rollout_weights_and_resumes_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def qat_run(tmp_path_factory):
+    """A QAT run of two steps with a checkpoint after each: (its folder, its metrics)."""
+    run_dir = tmp_path_factory.mktemp("qat")
+    return run_dir, _run(run_dir, "actor.qat=nvfp4_w4a16", "checkpoint.save_freq=1")
+
+
+def test_qat_closes_the_policy_gap_of_nvfp4_rollout_weights(qat_run, tmp_path):
     plain = _run(tmp_path / "plain", "checkpoint.save_freq=0", "trainer.total_steps=1")
-    qat = _run(tmp_path / "qat", "actor.qat=nvfp4_w4a16", "checkpoint.save_freq=1")
+    qat = qat_run[1]
     gap = {
         name: [m[s]["mismatch/mean_abs_diff"] for s in steps]
         for name, m, steps in (("plain", plain, [1]), ("qat", qat, [1, 2]))
@@ -47,9 +56,13 @@ def test_qat_closes_the_policy_gap_of_nvfp4_rollout_weights_and_resumes_exactly(
     # with the engine's quantized weights (QAT's, or switched on for the probe only).
     assert plain[0]["sync/probe_max_abs"] < 1e-4 and qat[0]["sync/probe_max_abs"] < 1e-4
     assert plain[1]["mismatch/is_weight_max"] > 1.01  # truncated IS (rollout_is=auto) is at work
-    # Resumed from the QAT run's step-1 checkpoint in another folder: step 2 samples the same
-    # tokens and trains to the same metrics (the log-prob quantities within 1e-5).
-    step_1 = tmp_path / "qat" / "checkpoints" / "step_000001"
+
+
+def test_a_qat_run_resumes_exactly(qat_run, tmp_path):
+    """Resumed from the QAT run's step-1 checkpoint in another folder: step 2 samples the same
+    tokens and trains to the same metrics (the log-prob quantities within 1e-5)."""
+    qat_dir, qat = qat_run
+    step_1 = qat_dir / "checkpoints" / "step_000001"
     resumed = _run(
         tmp_path / "resumed", "actor.qat=nvfp4_w4a16", "checkpoint.save_freq=0", f"trainer.resume={step_1}"
     )
@@ -59,4 +72,4 @@ def test_qat_closes_the_policy_gap_of_nvfp4_rollout_weights_and_resumes_exactly(
         return {k: v for k, v in m[2].items() if not k.startswith(WALL_CLOCK) and not k.endswith("_s")}
 
     _assert_same_step(comparable(resumed), comparable(qat), 2)
-    _assert_same_dump(_dumps(tmp_path / "resumed", 2), _dumps(tmp_path / "qat", 2), 2)
+    _assert_same_dump(_dumps(tmp_path / "resumed", 2), _dumps(qat_dir, 2), 2)

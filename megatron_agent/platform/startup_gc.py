@@ -6,13 +6,14 @@ collector still walks all of it, again and again: automatic collections fire eve
 allocations while the modules load, and vLLM calls `gc.collect()` five times while it builds an
 engine (about 0.2 s each on 2 CPU cores); none of them finds garbage worth the time.
 
-A process's entry point opts in with `imports_begin()`, which raises the collector's first
-threshold for the import phase; `imports_end()` (a no-op in a process that did not opt in, such
-as a test's or the driver's) collects once (so no garbage is kept), moves every surviving object to the permanent
-generation (`gc.freeze`: later collections skip those objects; reference counting still frees
-them) and restores the thresholds. Call it once the imports are done and before a model is
-built: a frozen object in a reference cycle is never collected, so a model replaced later (the
-critic rebuilt after SFT, say) would keep its memory. Measured: docs/lean.md.
+An engine's process (`train/rollout_worker.py`, `sync/server.py`) opts in with `imports_begin()`,
+which raises the collector's first threshold for the import phase; `imports_end()` (a no-op in a
+process that did not opt in, such as a test's or the driver's; `VLLMEngine` calls it once vLLM is
+imported) collects once (so no garbage is kept), moves every surviving object to the permanent
+generation (`gc.freeze`: later collections skip those objects; reference counting still frees them)
+and restores the thresholds. Call it once the imports are done and before a model is built: a frozen
+object in a reference cycle is never collected, so a model replaced later (the critic rebuilt after
+SFT, say) would keep its memory. Measured: docs/lean.md.
 """
 
 from __future__ import annotations

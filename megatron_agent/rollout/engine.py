@@ -191,6 +191,12 @@ class VLLMEngine:
             _set_cpu_env()
         from vllm import LLM
 
+        from megatron_agent.platform import startup_gc
+
+        # vLLM collects five times while it builds the engine: in a process that opted in (an
+        # engine's process), those collections now walk the engine's new objects only
+        startup_gc.imports_end()
+
         kwargs: dict[str, Any] = dict(
             model=str(model_path),
             dtype=dtype,

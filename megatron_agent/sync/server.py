@@ -27,6 +27,9 @@ def serve_engine(
     import importlib
     from multiprocessing.connection import Listener
 
+    from megatron_agent.platform import startup_gc
+
+    startup_gc.imports_begin()  # until vLLM is imported (`VLLMEngine`): rare collections
     from megatron_agent.sync.receiver import WeightReceiver
 
     module, _, cls = engine_class.partition(":")

@@ -41,7 +41,7 @@ class RolloutWorker:
         from megatron_agent.rollout.async_engine import EngineThread
         from megatron_agent.train.cluster import redirect_output
 
-        startup_gc.imports_begin()  # vLLM's imports and build: rare collections (platform/startup_gc.py)
+        startup_gc.imports_begin()  # until vLLM is imported (`VLLMEngine`): rare collections
         redirect_output(log_path)
         self.rank = rank
         self.cfg = cfg = config_from_dict(cfg_dict)
@@ -63,13 +63,8 @@ class RolloutWorker:
 
     def _build(self, cfg, plan: RunPlan) -> None:
         """The engine, the tools and the agent loop (on the engine thread)."""
-        from vllm import LLM  # noqa: F401 - imported here, so that its modules are frozen before the build
-
-        from megatron_agent.platform import startup_gc
         from megatron_agent.rollout.factory import build_agent_loop, build_engine, build_toolset
 
-        # vLLM collects five times while it builds the engine: now over the objects it creates only
-        startup_gc.imports_end()
         processors = self.drills.engine_logits_processors()
         run_dir = cfg.trainer.run_dir
         self.engine = build_engine(cfg, plan.model_path, cache_dir=run_dir, logits_processors=processors)

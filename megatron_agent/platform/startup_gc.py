@@ -32,13 +32,16 @@ def imports_begin() -> None:
         gc.set_threshold(max(IMPORT_THRESHOLD, _saved[0]), _saved[1], _saved[2])
 
 
-def imports_end() -> None:
+def imports_end(freeze: bool = True) -> None:
     """After `imports_begin`: collect once, freeze what survives (the modules and what they hold),
-    restore the thresholds. Without it: nothing."""
+    restore the thresholds. Without it: nothing. `freeze=False` only restores the thresholds: the
+    entry point's safety net once its engine is built (an engine other than vLLM's, which does
+    not end the phase itself, leaves nothing frozen and the usual collections back)."""
     global _saved
     if _saved is None:
         return
-    gc.collect()
-    gc.freeze()
+    if freeze:
+        gc.collect()
+        gc.freeze()
     gc.set_threshold(*_saved)
     _saved = None

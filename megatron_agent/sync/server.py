@@ -34,6 +34,7 @@ def serve_engine(
 
     module, _, cls = engine_class.partition(":")
     engine = getattr(importlib.import_module(module), cls)(model_path, **engine_kwargs)
+    startup_gc.imports_end(freeze=False)  # ended by VLLMEngine already; any other engine: here
     receiver = WeightReceiver(engine)
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
     lock = threading.Lock()

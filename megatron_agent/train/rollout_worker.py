@@ -49,7 +49,10 @@ class RolloutWorker:
         os.environ.setdefault("TMPDIR", cfg.trainer.run_dir)
         self.drills = Drills(DrillPlan.from_config(cfg))  # no-ops unless debug.* is set
         self.thread = EngineThread()
-        self.thread.call(self._build, cfg, plan)
+        try:
+            self.thread.call(self._build, cfg, plan)
+        finally:  # ended by VLLMEngine already; another engine (a test's stand-in) or a failed build: here
+            startup_gc.imports_end(freeze=False)
         self.receiver = None
         self.step = 0
         self._idle_s, self._last_end, self._active = 0.0, None, 0

@@ -42,3 +42,18 @@ def test_imports_end_does_nothing_in_a_process_that_did_not_opt_in():
     frozen, threshold = gc.get_freeze_count(), gc.get_threshold()
     startup_gc.imports_end()
     assert gc.get_freeze_count() == frozen and gc.get_threshold() == threshold
+
+
+def test_an_entry_point_whose_engine_did_not_end_the_phase_gets_its_thresholds_back_unfrozen():
+    # RolloutWorker and the sync server end the phase after the build with freeze=False: a stand-in
+    # engine (not vLLM's) leaves no raised threshold and nothing frozen behind.
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+    try:
+        startup_gc.imports_begin()
+        assert gc.get_threshold()[0] == max(startup_gc.IMPORT_THRESHOLD, before[0])
+        startup_gc.imports_end(freeze=False)
+        assert gc.get_threshold() == before and gc.get_freeze_count() == frozen
+        startup_gc.imports_end()  # ended: a no-op
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.set_threshold(*before)

@@ -134,7 +134,10 @@ class Trainer:
         if validation and d.val_batch_size:
             kept = kept[: d.val_batch_size]
         if not kept:
-            raise ConfigError(f"no usable tasks in {path or 'the synthetic set'} ({num_skipped} skipped)")
+            raise ConfigError(
+                f"no usable tasks in {path or 'the synthetic set'} ({num_skipped} skipped: bad rows, and "
+                f"prompts longer than data.max_prompt_length={d.max_prompt_length})"
+            )
         return kept, num_skipped
 
     def _synthetic_tasks(self, seed: int, validation: bool) -> list[Task]:

@@ -6,6 +6,8 @@ import asyncio
 import json
 import logging
 
+import pytest
+
 from megatron_agent.data.synthetic import arithmetic_tasks, multihop_tasks
 from megatron_agent.data.tasks import load_tasks, write_tasks
 from megatron_agent.envs.rewards import compute_reward
@@ -73,3 +75,17 @@ def test_multihop_tasks_are_answerable_in_two_searches(tmp_path):
         second = asyncio.run(tool.call(query=f"mayor of {capital}"))
         assert t.reward["ground_truth"] in second
         assert country in t.messages[-1]["content"] and capital not in t.messages[-1]["content"]
+
+
+def test_a_task_set_whose_prompts_are_all_too_long_is_an_error_naming_the_key(tmp_path, caplog):
+    from megatron_agent.config import ConfigError, load_config
+    from megatron_agent.train.trainer import Trainer
+    from tests.conftest import REPO
+
+    overrides = ["data.num_synthetic_tasks=4", "data.max_prompt_length=8", f"trainer.run_dir={tmp_path}"]
+    cfg = load_config(REPO / "examples/quickstart/config.yaml", overrides)
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError) as err:
+        Trainer(cfg)
+    assert "no usable tasks in the synthetic set (4 skipped" in str(err.value), err.value
+    assert "data.max_prompt_length=8" in str(err.value), err.value
+    assert "skipped 4 tasks longer than data.max_prompt_length=8" in caplog.text

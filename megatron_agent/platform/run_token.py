@@ -29,7 +29,7 @@ SHM_MARK = "megatron-agent-"
 """Shared-memory segments of a run are named `megatron-agent-...<token>...`."""
 
 
-def _start_ticks(pid: int) -> str | None:
+def start_ticks(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or None."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -41,7 +41,7 @@ def _start_ticks(pid: int) -> str | None:
 def become_driver() -> str:
     """Make this process the driver of a run: its own token (replacing one it inherited) in its
     environment, and so in its children's; returns it."""
-    os.environ[TOKEN_ENV] = f"{os.getpid()}.{_start_ticks(os.getpid()) or 0}"
+    os.environ[TOKEN_ENV] = f"{os.getpid()}.{start_ticks(os.getpid()) or 0}"
     return os.environ[TOKEN_ENV]
 
 
@@ -53,7 +53,7 @@ def current_token() -> str:
 def token_alive(token: str) -> bool:
     """True while the driver that made `token` runs (same pid and same start time)."""
     pid, _, ticks = token.partition(".")
-    return pid.isdigit() and _start_ticks(int(pid)) == ticks
+    return pid.isdigit() and start_ticks(int(pid)) == ticks
 
 
 def _environ_token(pid: int) -> str | None:

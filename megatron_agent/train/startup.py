@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from megatron_agent.platform.run_token import start_ticks
+
 # Phases that ran at the same time as another (shown in brackets after it): Ray starts while the
 # driver reads its inputs; the Megatron ranks, a separate critic's and the engines start together
 # ("workers").
@@ -34,14 +36,16 @@ def process_started_at() -> float:
     Not psutil's `create_time()`: it adds the start's clock ticks to the boot time that Linux
     gives in whole seconds (/proc/stat's btime, rounded down), so it is up to 1 s early (0.6 s on
     the machine where this was found, which made every start-up look that much longer). Here the
-    process's age is /proc/uptime minus its start ticks (/proc/self/stat), both counted from the
-    same boot; psutil's figure where /proc has neither."""
+    process's age is /proc/uptime minus its start ticks (`run_token.start_ticks`), both counted
+    from the same boot; psutil's figure where /proc has neither."""
+    ticks = start_ticks(os.getpid())
     try:
         uptime = float(Path("/proc/uptime").read_text().split()[0])
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
+        uptime = None
+    if ticks is None or uptime is None:
         return psutil.Process().create_time()
+    return time.time() - (uptime - int(ticks) / os.sysconf("SC_CLK_TCK"))
 
 
 class StartupClock:

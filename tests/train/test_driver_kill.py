@@ -20,9 +20,9 @@ import pytest
 from megatron_agent.platform.run_token import (
     SHM_DIR,
     TOKEN_ENV,
-    _start_ticks,
     processes_of,
     segments_of,
+    start_ticks,
     sweep_dead_runs,
     token_alive,
 )
@@ -58,7 +58,7 @@ def test_a_sigkilled_driver_leaves_no_process_and_no_segment(tmp_path, phase):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    token = f"{proc.pid}.{_start_ticks(proc.pid)}"
+    token = f"{proc.pid}.{start_ticks(proc.pid)}"
     try:
         held = _wait_until(lambda: (run_dir / f"held_{phase}_1").exists() or proc.poll() is not None, 600)
         assert held and proc.poll() is None, f"the run ended (rc {proc.returncode}) before the {phase}"
@@ -83,7 +83,7 @@ def test_the_start_up_sweep_ends_runs_whose_driver_is_gone():
     )
     dead = f"{gone.stdout.strip()}.1"
     assert not token_alive(dead)
-    alive = f"{os.getpid()}.{_start_ticks(os.getpid())}"
+    alive = f"{os.getpid()}.{start_ticks(os.getpid())}"
     assert token_alive(alive)
     procs = {
         token: subprocess.Popen(

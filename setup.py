@@ -29,5 +29,5 @@ setup(
         "gpu": ["vllm", "transformer-engine[pytorch]"],
         "test": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
     },
-    entry_points={"console_scripts": ["megatron-agent=megatron_agent.__main__:main"]},
+    entry_points={"console_scripts": ["megatron-agent=megatron_agent.__main__:cli"]},
 )

@@ -22,6 +22,7 @@ from _common import check_layout, check_out, quiet, report_peak  # noqa: E402
 
 from megatron_agent.errors import run_command  # noqa: E402
 from megatron_agent.models.hf_config import model_arch  # noqa: E402
+from megatron_agent.platform.fast_exit import exit_process  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,4 +64,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main, sys.argv[1:]))
+    exit_process(run_command(main, sys.argv[1:]))

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import check_out, quiet, report_peak, resolve_checkpoint  # noqa: E402
 
 from megatron_agent.errors import InputError, run_command  # noqa: E402
+from megatron_agent.platform.fast_exit import exit_process  # noqa: E402
 from megatron_agent.quant.formats import FORMATS  # noqa: E402
 
 
@@ -149,4 +150,4 @@ def quantized_export(plain: Path, out: Path, fmt_name: str, overwrite: bool) -> 
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main, sys.argv[1:]))
+    exit_process(run_command(main, sys.argv[1:]))

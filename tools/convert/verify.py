@@ -37,6 +37,7 @@ from megatron_agent.errors import (  # noqa: E402
     run_command,
 )
 from megatron_agent.models.hf_config import model_arch  # noqa: E402
+from megatron_agent.platform.fast_exit import exit_process  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 """Any of these in a folder means it may hold a tokenizer."""
@@ -216,4 +217,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main, sys.argv[1:]))
+    exit_process(run_command(main, sys.argv[1:]))

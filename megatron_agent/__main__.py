@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import NoReturn
 
 # command -> module with a `main(argv: list[str]) -> int` function. Imported lazily so that
 # `--help` and light commands do not pay for torch, megatron or vllm imports.
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(module.main, rest)
 
 
-def cli() -> None:
+def cli() -> NoReturn:
     """The console script and `python -m megatron_agent`: `main`'s status, with the process
     ended without the interpreter's teardown (`platform.fast_exit`: 1.5 s after a run's last
     line)."""

@@ -9,23 +9,30 @@ import textwrap
 
 from tests.conftest import REPO
 
-# A process that leaves work for its exit: a non-daemon thread still writing, a thread pool with a
-# queued task, an atexit function, unflushed stdout, and an object whose __del__ only the
-# interpreter's teardown would call.
-CHILD = textwrap.dedent(
+# An object whose __del__ only the interpreter's teardown calls: it writes "done" to
+# <argv[1]>/teardown (created empty at once).
+TEARDOWN = textwrap.dedent(
     """
-    import atexit, concurrent.futures, os, pathlib, sys, threading, time
-    from megatron_agent.platform.fast_exit import exit_process
+    import os, pathlib, sys
 
     out = pathlib.Path(sys.argv[1])
-    if sys.argv[2] == "profiled":
-        sys.setprofile(lambda *args: None)
 
     class Teardown:
         def __del__(self, write=os.write, fd=os.open(out / "teardown", os.O_WRONLY | os.O_CREAT)):
             write(fd, b"done")
 
     KEPT = Teardown()
+    """
+)
+# A process that leaves work for its exit: a non-daemon thread still writing, a thread pool with a
+# queued task, an atexit function, unflushed stdout, and the object above.
+CHILD = TEARDOWN + textwrap.dedent(
+    """
+    import atexit, concurrent.futures, threading, time
+    from megatron_agent.platform.fast_exit import exit_process
+
+    if sys.argv[2] == "profiled":
+        sys.setprofile(lambda *args: None)
 
     def late_write():
         time.sleep(0.5)
@@ -69,14 +76,24 @@ def test_under_a_profiler_the_process_exits_the_usual_way(tmp_path):
         assert (tmp_path / name).read_text() == "done", name
 
 
-def test_the_command_line_exits_through_it():
+def test_the_command_line_exits_through_it(tmp_path):
     source = (REPO / "megatron_agent" / "__main__.py").read_text()
     assert "exit_process(main())" in source
+    # `python -m megatron_agent` as runpy runs it, in a process holding the teardown-only object:
+    # its status comes back and the interpreter is not torn down.
+    as_main = TEARDOWN + textwrap.dedent(
+        """
+        import runpy
+        sys.argv = ["megatron_agent", "no-such-command"]
+        runpy.run_module("megatron_agent", run_name="__main__", alter_sys=True)
+        """
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_agent", "no-such-command"],
+        [sys.executable, "-c", as_main, str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert proc.returncode == 2 and "unknown command 'no-such-command'" in proc.stderr
+    assert (tmp_path / "teardown").read_text() == "", "the interpreter was torn down"

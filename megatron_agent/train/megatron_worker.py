@@ -287,9 +287,9 @@ class MegatronWorker(MegatronRank, CriticRole):
 
     def _decode(self, token_id: int) -> str:
         if not hasattr(self, "_tokenizer"):
-            from transformers import AutoTokenizer
+            from megatron_agent.data.tokenizer import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer.decode([int(token_id)])
 
     # --------------------------------------------------------------------------------- SFT

@@ -93,9 +93,9 @@ class Trainer:
         (train_tasks, num_skipped), (val_tasks, num_val_skipped) = task_files or read_task_files(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_path = make_base_model(cfg, plan)
-        from transformers import AutoTokenizer
+        from megatron_agent.data.tokenizer import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.train_tasks, self.num_skipped_rows = self._load_tasks(
             cfg.data.train_path, cfg.data.seed, train_tasks, num_skipped
         )

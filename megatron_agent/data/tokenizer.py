@@ -23,20 +23,11 @@ import os
 import tempfile
 from pathlib import Path
 
-CACHE_ENV = "MEGATRON_AGENT_CACHE"
+from megatron_agent.platform.user_cache import cache_dir
+
 _CACHE_FILE = "tokenizer_classes.json"
 _MAX_ENTRIES = 256  # the oldest choices are dropped beyond this
 _CONFIG_FILES = ("tokenizer_config.json", "config.json")
-
-
-def cache_dir() -> Path:
-    """The per-user cache folder: $MEGATRON_AGENT_CACHE, else $XDG_CACHE_HOME/megatron_agent,
-    else ~/.cache/megatron_agent."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit)
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "megatron_agent"
 
 
 def folder_key(path: str | os.PathLike) -> str | None:

@@ -34,12 +34,9 @@ def make_base_model(cfg: Config, plan: RunPlan) -> str:
     `plan.model_path` (`<run_dir>/base_model`) when it is empty; its layout is checked."""
     out = Path(plan.model_path)
     if plan.tiny_family and not (out / "config.json").is_file():
-        from megatron_agent.models.tiny import make_quickstart_model, make_tiny_model
+        from megatron_agent.models.tiny_cache import make_tiny_base_model
 
-        if plan.tiny_family == "quickstart":
-            make_quickstart_model(out, seed=cfg.trainer.seed)
-        else:
-            make_tiny_model(out, plan.tiny_family, seed=cfg.trainer.seed)
+        make_tiny_base_model(plan.tiny_family, cfg.trainer.seed, out)
     check_layout(cfg, plan.model_path)
     return plan.model_path
 

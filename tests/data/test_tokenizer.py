@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from megatron_agent.data.tokenizer import CACHE_ENV, cache_dir, folder_key, load_tokenizer
+from megatron_agent.data.tokenizer import folder_key, load_tokenizer
+from megatron_agent.platform.user_cache import CACHE_ENV, cache_dir
 
 MESSAGES = [
     {"role": "system", "content": "Use the calculator."},

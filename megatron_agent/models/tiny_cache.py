@@ -3,10 +3,10 @@
 A run without `model.path` starts from a tiny random model (`models/tiny.py`) in
 `<run_dir>/base_model`. Making it imports transformers' model classes, and through them
 torch._dynamo, inductor and triton: 2-3 s, and about 150 MB that the driver would hold for the
-whole run. `make_tiny_base_model` makes it in a child process instead, keeps the folder in the
-per-user cache under a digest of everything it is a function of (the family, the seed, the
-versions of torch, transformers and tokenizers, and the source of this package), and copies the
-cached folder into the run folder next time: the same bytes, without the imports.
+whole run. `make_tiny_base_model` makes it once, keeps the folder in the per-user cache under a
+digest of everything it is a function of (the family, the seed, the versions of torch,
+transformers and tokenizers, and the source of this package), and copies the cached folder into
+the run folder next time: the same bytes, without the imports.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,15 +21,6 @@ from megatron_agent.platform.user_cache import cache_dir
 
 PACKAGE = Path(__file__).resolve().parents[1]  # megatron_agent/
 _KEEP = 8  # cached models kept (the most recently used)
-_MAKE = """
-import sys
-from megatron_agent.models.tiny import make_quickstart_model, make_tiny_model
-family, out, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-if family == "quickstart":
-    make_quickstart_model(out, seed=seed)
-else:
-    make_tiny_model(out, family, seed=seed)
-"""
 
 
 def tiny_model_key(family: str, seed: int) -> str:
@@ -48,40 +37,44 @@ def tiny_model_key(family: str, seed: int) -> str:
 
 def make_tiny_base_model(family: str, seed: int, out: str | os.PathLike) -> Path:
     """Write the tiny `family` model made with `seed` to `out`: copied from the per-user cache,
-    made there first (in a child process) when absent; made straight into `out` when the cache
-    cannot be written."""
+    made there first when absent (in this process, which then holds transformers' model classes
+    for this run only); made straight into `out` when the cache cannot be written."""
     out = Path(out)
     cached = cache_dir() / "tiny_models" / tiny_model_key(family, seed)
     try:
         if not (cached / "config.json").is_file():
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".making."))
-            try:
-                _make_in_child(family, seed, staging)
-                os.replace(staging, cached)  # whole or not at all; another run may have won
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+            _make_cached(family, seed, cached)
         os.utime(cached)  # most recently used
-    except OSError:
-        _make_in_child(family, seed, out)
+    except OSError:  # the cache cannot be written
+        _make(family, seed, out)
         return out
     shutil.copytree(cached, out, dirs_exist_ok=True)
     _forget_old(cached.parent)
     return out
 
 
-def _make_in_child(family: str, seed: int, out: Path) -> None:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE.parent), os.environ.get("PYTHONPATH")])),
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", _MAKE, family, str(out), str(seed)], env=env, capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"making the tiny {family!r} model failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
-        )
+def _make_cached(family: str, seed: int, cached: Path) -> None:
+    """Make the model beside `cached` and rename it into place: whole or not at all."""
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".making."))
+    try:
+        _make(family, seed, staging)
+        try:
+            os.replace(staging, cached)
+        except OSError:
+            if not (cached / "config.json").is_file():  # not another run's copy: a real failure
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _make(family: str, seed: int, out: Path) -> None:
+    from megatron_agent.models.tiny import make_quickstart_model, make_tiny_model
+
+    if family == "quickstart":
+        make_quickstart_model(out, seed=seed)
+    else:
+        make_tiny_model(out, family, seed=seed)
 
 
 def _forget_old(folder: Path) -> None:

@@ -1,0 +1,47 @@
+"""The driver's inputs (base model, tokenizer, tasks: `Trainer.__init__`) import neither
+transformers' model registry nor torch._dynamo once the per-user cache holds the tokenizer's class
+and the tiny base model (docs/lean.md): 1.5-2 s of the start-up and about 150 MB of the driver."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+INPUTS = """
+import json, sys
+from megatron_agent.config import load_config
+from megatron_agent.train.trainer import Trainer
+cfg = load_config("examples/quickstart/config.yaml", [f"trainer.run_dir={sys.argv[1]}", "sft.steps=0"])
+trainer = Trainer(cfg)
+heavy = [m for m in ("transformers.models.auto", "transformers.generation", "torch._dynamo") if m in sys.modules]
+print(json.dumps({"heavy": heavy, "tasks": len(trainer.train_tasks), "eos": trainer.tokenizer.eos_token_id}))
+"""
+
+
+def inputs_of(run_dir, cache) -> dict:
+    env = {**os.environ, "MEGATRON_AGENT_CACHE": str(cache)}
+    out = subprocess.run(
+        [sys.executable, "-c", INPUTS, str(run_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_drivers_inputs_skip_the_model_registry_once_cached(tmp_path):
+    first = inputs_of(tmp_path / "run1", tmp_path / "cache")  # makes and records: the registry once
+    assert "transformers.models.auto" in first["heavy"]
+    second = inputs_of(tmp_path / "run2", tmp_path / "cache")
+    assert second["heavy"] == [], second
+    assert second["tasks"] == first["tasks"] and second["eos"] == first["eos"]
+    base1, base2 = tmp_path / "run1" / "base_model", tmp_path / "run2" / "base_model"
+    assert sorted(p.name for p in base1.iterdir()) == sorted(p.name for p in base2.iterdir())
+    assert all((base1 / p.name).read_bytes() == p.read_bytes() for p in base2.iterdir())

@@ -194,13 +194,17 @@ def _check_machine(cfg: Config) -> None:
     """Settings that need a GPU, refused on a driver without one that starts its own cluster.
 
     A driver that joins a cluster (`ray.address`) may run on a CPU-only head node: the run checks
-    the cluster's GPUs before any worker starts (`check_cluster_gpus`)."""
+    the cluster's GPUs before any worker starts (`check_cluster_gpus`). torch (1 s to import) is
+    asked for a GPU only when a setting needs one."""
     if cfg.ray.address:
         return
-    import torch
+    try:
+        check_cluster_gpus(cfg, num_gpus=0)  # raises when a setting needs a GPU
+    except ConfigError:
+        import torch
 
-    if not torch.cuda.is_available():
-        check_cluster_gpus(cfg, num_gpus=0)
+        if not torch.cuda.is_available():
+            raise
 
 
 def check_cluster_gpus(cfg: Config, num_gpus: float) -> None:

@@ -157,3 +157,20 @@ def write_tasks(path: str | os.PathLike, tasks: list[Task]) -> Path:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
     return path
+
+
+def read_task_files(cfg) -> tuple[tuple[list[Task] | None, int], tuple[list[Task] | None, int]]:
+    """((train tasks, bad rows skipped), (validation tasks, skipped)) of `data.train_path` and
+    `data.val_path`; (None, 0) for an empty path (synthetic tasks). A file without a usable task
+    is a `ConfigError` naming it."""
+    from megatron_agent.config import ConfigError
+
+    def read(path: str) -> tuple[list[Task] | None, int]:
+        if not path:
+            return None, 0
+        tasks, num_skipped = load_tasks(path)
+        if not tasks:
+            raise ConfigError(f"no usable tasks in {path} ({num_skipped} skipped, each named above)")
+        return tasks, num_skipped
+
+    return read(cfg.data.train_path), read(cfg.data.val_path)

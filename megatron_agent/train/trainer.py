@@ -18,7 +18,7 @@ import torch
 
 from megatron_agent.config import Config, ConfigError, RunPlan, config_to_dict, make_plan
 from megatron_agent.data.sampler import PromptSampler
-from megatron_agent.data.tasks import Task
+from megatron_agent.data.tasks import Task, read_task_files
 from megatron_agent.envs.tools import merge_tool_metrics
 from megatron_agent.rl.kl_controller import make_kl_controller
 from megatron_agent.train.batch import RLBatch
@@ -58,23 +58,6 @@ def kl_controller(cfg: Config):
     """The controller of the KL-in-reward coefficient (`algorithm.kl_*`; saved in run checkpoints)."""
     a = cfg.algorithm
     return make_kl_controller(a.kl_ctrl, a.kl_reward_coef, target_kl=a.kl_target, horizon=a.kl_horizon)
-
-
-def read_task_files(cfg: Config) -> tuple[tuple[list[Task] | None, int], tuple[list[Task] | None, int]]:
-    """((train tasks, bad rows skipped), (validation tasks, skipped)) of `data.train_path` and
-    `data.val_path`; (None, 0) for an empty path (synthetic tasks). A file without a usable task
-    is a `ConfigError` naming it."""
-    from megatron_agent.data.tasks import load_tasks
-
-    def read(path: str) -> tuple[list[Task] | None, int]:
-        if not path:
-            return None, 0
-        tasks, num_skipped = load_tasks(path)
-        if not tasks:
-            raise ConfigError(f"no usable tasks in {path} ({num_skipped} skipped, each named above)")
-        return tasks, num_skipped
-
-    return read(cfg.data.train_path), read(cfg.data.val_path)
 
 
 class Trainer:

@@ -45,3 +45,28 @@ def test_the_drivers_inputs_skip_the_model_registry_once_cached(tmp_path):
     base1, base2 = tmp_path / "run1" / "base_model", tmp_path / "run2" / "base_model"
     assert sorted(p.name for p in base1.iterdir()) == sorted(p.name for p in base2.iterdir())
     assert all((base1 / p.name).read_bytes() == p.read_bytes() for p in base2.iterdir())
+
+
+BEFORE_RAY = """
+import json, sys
+from megatron_agent.config import load_config
+from megatron_agent.data.tasks import read_task_files
+from megatron_agent.train.run import Run, check_inputs_up_front
+from megatron_agent.train.run_state import find_resume
+cfg = load_config("examples/quickstart/config.yaml", [f"trainer.run_dir={sys.argv[1]}", *sys.argv[2:]])
+Run(cfg); find_resume(cfg); check_inputs_up_front(cfg, sft=True); read_task_files(cfg)
+print(json.dumps("torch" in sys.modules))
+"""
+
+
+def test_nothing_before_rays_start_imports_torch(tmp_path):
+    """What `Run` does before Ray begins (config, resume folder, inputs, task files) leaves torch
+    (1 s to import) to the time Ray starts in; a GPU-only setting still asks torch, and is refused."""
+    run = [sys.executable, "-c", BEFORE_RAY, str(tmp_path)]
+    out = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) is False
+    gpu_only = subprocess.run(
+        [*run, "model.fp8=delayed"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert gpu_only.returncode != 0 and "model.fp8='delayed' needs Transformer Engine" in gpu_only.stderr

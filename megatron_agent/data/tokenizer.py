@@ -6,12 +6,12 @@ transformers' model registry, and through it `torch._dynamo`, inductor and trito
 that only tokenizes (the run's driver) that is 1.5-2 s of start-up and 150 MB resident.
 
 The class it chooses is a function of the folder (its file names, tokenizer_config.json and
-config.json, and a relative path's text) and of the transformers version. `load_tokenizer` records the choice in a
-per-user cache (`~/.cache/megatron_agent`, or `$MEGATRON_AGENT_CACHE`), keyed by a digest of all
-of those, and the next time builds the recorded class directly: the same `from_pretrained(path)`
-that AutoTokenizer calls once it has chosen. A changed file, another transformers, a folder with
-remote code (`auto_map`), a path that is not a local folder or a cache that cannot be read: the
-usual AutoTokenizer, whose choice is then recorded.
+config.json, and a relative path's text) and of the transformers version. `load_tokenizer`
+records the choice in a per-user cache (`~/.cache/megatron_agent`, or `$MEGATRON_AGENT_CACHE`),
+keyed by a digest of all of those, and the next time builds the recorded class directly: the same
+`from_pretrained(path)` that AutoTokenizer calls once it has chosen. A changed file, another
+transformers, a folder with remote code (`auto_map`), a path that is not a local folder or a
+cache that cannot be read: the usual AutoTokenizer, whose choice is then recorded.
 """
 
 from __future__ import annotations

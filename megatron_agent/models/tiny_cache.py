@@ -78,9 +78,12 @@ def _make(family: str, seed: int, out: Path) -> None:
 
 
 def _forget_old(folder: Path) -> None:
-    """Remove all but the `_KEEP` most recently used cached models."""
-    models = sorted(
-        (p for p in folder.iterdir() if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime
-    )
-    for old in models[:-_KEEP]:
+    """Remove all but the `_KEEP` most recently used cached models, and what a make that was
+    killed left (`.making.*` older than an hour)."""
+    import time
+
+    entries = [(p, p.stat().st_mtime) for p in folder.iterdir()]
+    models = sorted((e for e in entries if not e[0].name.startswith(".")), key=lambda e: e[1])
+    stale = [p for p, mtime in entries if p.name.startswith(".making.") and mtime < time.time() - 3600]
+    for old in [p for p, _ in models[:-_KEEP]] + stale:
         shutil.rmtree(old, ignore_errors=True)

@@ -51,7 +51,7 @@ def test_an_unwritable_cache_makes_the_model_in_place(tmp_path, monkeypatch):
     assert same_files(out, make_tiny_model(tmp_path / "in_place", "qwen2", seed=3))
 
 
-def test_only_the_most_recently_used_models_are_kept(tmp_path, monkeypatch):
+def test_only_the_most_recently_used_models_and_no_stale_makes_are_kept(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     models = tmp_path / "cache" / "tiny_models"
     models.mkdir(parents=True)
@@ -59,7 +59,11 @@ def test_only_the_most_recently_used_models_are_kept(tmp_path, monkeypatch):
         (models / f"old{i}").mkdir()
         (models / f"old{i}" / "config.json").write_text("{}")
         tiny_cache.os.utime(models / f"old{i}", (i, i))
+    (models / ".making.killed").mkdir()  # what a killed make left, two hours ago
+    tiny_cache.os.utime(models / ".making.killed", (0, 0))
+    (models / ".making.now").mkdir()  # another run's make in progress
     monkeypatch.setattr(tiny_cache, "tiny_model_key", lambda family, seed: "old1")
     tiny_cache.make_tiny_base_model("qwen2", 0, tmp_path / "base_model")  # uses old1: now the newest
-    kept = sorted(p.name for p in models.iterdir())
+    kept = sorted(p.name for p in models.iterdir() if not p.name.startswith("."))
     assert len(kept) == tiny_cache._KEEP and "old1" in kept and "old0" not in kept and "old2" not in kept
+    assert sorted(p.name for p in models.iterdir() if p.name.startswith(".")) == [".making.now"]

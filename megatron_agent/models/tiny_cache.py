@@ -14,10 +14,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from megatron_agent.platform.user_cache import cache_dir
+from megatron_agent.weights.folders import publish, staging_dir
 
 PACKAGE = Path(__file__).resolve().parents[1]  # megatron_agent/
 _KEEP = 8  # cached models kept (the most recently used)
@@ -54,13 +54,14 @@ def make_tiny_base_model(family: str, seed: int, out: str | os.PathLike) -> Path
 
 
 def _make_cached(family: str, seed: int, cached: Path) -> None:
-    """Make the model beside `cached` and rename it into place: whole or not at all."""
+    """Make the model in a staging folder beside `cached` and publish it there (weights.folders):
+    whole or not at all."""
     cached.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".making."))
+    staging = staging_dir(cached)
     try:
         _make(family, seed, staging)
         try:
-            os.replace(staging, cached)
+            publish(staging, cached)
         except OSError:
             if not (cached / "config.json").is_file():  # not another run's copy: a real failure
                 raise
@@ -79,11 +80,11 @@ def _make(family: str, seed: int, out: Path) -> None:
 
 def _forget_old(folder: Path) -> None:
     """Remove all but the `_KEEP` most recently used cached models, and what a make that was
-    killed left (`.making.*` older than an hour)."""
+    killed left (its hidden staging folder, once older than an hour)."""
     import time
 
     entries = [(p, p.stat().st_mtime) for p in folder.iterdir()]
     models = sorted((e for e in entries if not e[0].name.startswith(".")), key=lambda e: e[1])
-    stale = [p for p, mtime in entries if p.name.startswith(".making.") and mtime < time.time() - 3600]
+    stale = [p for p, mtime in entries if p.name.startswith(".") and mtime < time.time() - 3600]
     for old in [p for p, _ in models[:-_KEEP]] + stale:
         shutil.rmtree(old, ignore_errors=True)

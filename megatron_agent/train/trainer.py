@@ -34,7 +34,7 @@ def make_base_model(cfg: Config, plan: RunPlan) -> str:
     `plan.model_path` (`<run_dir>/base_model`) when it is empty; its layout is checked."""
     out = Path(plan.model_path)
     if plan.tiny_family and not (out / "config.json").is_file():
-        from megatron_agent.models.tiny_cache import make_tiny_base_model
+        from megatron_agent.train.tiny_cache import make_tiny_base_model
 
         make_tiny_base_model(plan.tiny_family, cfg.trainer.seed, out)
     check_layout(cfg, plan.model_path)

@@ -1,4 +1,4 @@
-"""`models.tiny_cache`: the run's tiny base model, made once in a child process and copied from
+"""`train.tiny_cache`: the run's tiny base model, made once and copied from
 the per-user cache after that, byte for byte what `models.tiny` makes in place."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import filecmp
 
 import pytest
 
-from megatron_agent.models import tiny_cache
 from megatron_agent.models.tiny import make_tiny_model
 from megatron_agent.platform.user_cache import CACHE_ENV
+from megatron_agent.train import tiny_cache
 
 
 def same_files(a, b) -> bool:

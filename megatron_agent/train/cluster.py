@@ -1,8 +1,9 @@
 """The Ray cluster and groups of worker actors: start or join, place, call, fail loudly.
 
 `ray_cluster` (a context manager; its owner is the run, `train/run.py`, or a test) starts a local
-cluster sized to the machine (lean: no dashboard, monitors or prestarted workers) or joins an existing one (`ray.address=auto` or
-`HOST:PORT`, how multi-node runs under Slurm work), and stops what it started. `WorkerGroup` creates
+cluster sized to the machine (lean: no dashboard or dashboard agent, no monitors, no prestarted
+workers) or joins an existing one (`ray.address=auto` or `HOST:PORT`, how multi-node runs under
+Slurm work), and stops what it started. `WorkerGroup` creates
 N actors of one class inside a placement group, each writing its stdout/stderr to
 `<run_dir>/logs/<name>_<rank>.log`, and `call` runs one method on all of them: a worker that
 raises, dies or does not answer within the timeout becomes a `WorkerError` naming the worker,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -42,6 +44,7 @@ class WorkerDiedError(WorkerError):
 # variables, so a prestarted default worker is never reused), its log monitor (worker output goes
 # to the run's log files, `log_to_driver=False`) or its autoscaler monitor (one node, no scaling).
 LEAN_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+DASHBOARD_AGENT_STAND_IN = Path(__file__).resolve().parents[1] / "platform" / "dashboard_agent_stand_in.py"
 _local_node = None  # the lean local cluster's node (`start_local_node`), stopped by `stop_ray`
 
 
@@ -148,8 +151,10 @@ def start_local_node(num_cpus: int) -> str | None:
     Ray still starts it, with its usage-statistics module only, and waits for it to register
     before it starts the raylet: 0.8 s of the node's start and 116 MB, for nothing a run uses
     (actors, placement groups, the object store and runtime environments are the GCS's and the
-    raylet's; Ray's job and state APIs, which need it, are not used). The raylet's own agents
-    stay: the raylet needs them."""
+    raylet's; Ray's job and state APIs, which need it, are not used). Of the raylet's two agents,
+    which it cannot start without, the runtime-env agent stays (every actor's environment
+    variables go through it) and the dashboard agent is a stand-in
+    (`platform/dashboard_agent_stand_in.py`: `with_dashboard_agent_stand_in`)."""
     global _local_node
     try:
         from ray._private.node import Node
@@ -158,6 +163,23 @@ def start_local_node(num_cpus: int) -> str | None:
         class _NodeWithoutDashboard(Node):
             def start_api_server(self, **_options):
                 """Not started (above)."""
+
+            def start_raylet(self, *args, **kwargs):
+                """Ray's raylet, given the stand-in for its dashboard agent (above)."""
+                from ray._private import ray_constants, services
+
+                start_process = services.start_ray_process
+
+                def start(command, process_type, *more, **options):
+                    if process_type == ray_constants.PROCESS_TYPE_RAYLET:
+                        command = with_dashboard_agent_stand_in(command)
+                    return start_process(command, process_type, *more, **options)
+
+                services.start_ray_process = start
+                try:
+                    return super().start_raylet(*args, **kwargs)
+                finally:
+                    services.start_ray_process = start_process
 
         params = RayParams(
             num_cpus=num_cpus,
@@ -172,6 +194,35 @@ def start_local_node(num_cpus: int) -> str | None:
         params, head=True, shutdown_at_exit=False, spawn_reaper=False, ray_init_cluster=True
     )
     return _local_node.address
+
+
+def with_dashboard_agent_stand_in(raylet_command: list[str]) -> list[str]:
+    """The raylet's command line with `platform/dashboard_agent_stand_in.py` as its dashboard
+    agent, given the three port files the raylet waits for; unchanged where this Ray's raylet
+    takes other flags or names its port files otherwise (Ray's own agent then starts)."""
+    try:
+        from ray._raylet import (
+            DASHBOARD_AGENT_LISTEN_PORT_NAME,
+            METRICS_AGENT_PORT_NAME,
+            METRICS_EXPORT_PORT_NAME,
+            get_port_filename,
+        )
+    except ImportError:
+        return raylet_command
+    flags = dict(arg[2:].split("=", 1) for arg in raylet_command if arg.startswith("--") and "=" in arg)
+    if not {"node_id", "session_dir", "dashboard_agent_command"} <= flags.keys():
+        return raylet_command
+    port_files = [
+        os.path.join(flags["session_dir"], get_port_filename(flags["node_id"], name))
+        for name in (METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME, DASHBOARD_AGENT_LISTEN_PORT_NAME)
+    ]
+    stand_in = [sys.executable, "-S", "-I", str(DASHBOARD_AGENT_STAND_IN), *port_files]
+    return [
+        f"--dashboard_agent_command={subprocess.list2cmdline(stand_in)}"
+        if arg.startswith("--dashboard_agent_command=")
+        else arg
+        for arg in raylet_command
+    ]
 
 
 def stop_ray() -> None:

@@ -1,5 +1,5 @@
 """The lean local Ray cluster (`start_ray`: no log monitor, no autoscaler monitor, no prestarted
-idle workers, no dashboard) serves every Ray feature a run uses: actors with their
+idle workers, no dashboard, a stand-in for the dashboard agent) serves every Ray feature a run uses: actors with their
 own environment variables, placement groups, the object store, `ray.wait` with a timeout, death
 detection and replacement, `ray.kill`, the node's address; and `stop_ray` leaves no Ray process.
 
@@ -25,9 +25,9 @@ from megatron_agent.train.cluster import (
 )
 
 # Processes Ray starts: its binaries (gcs_server, raylet), its Python processes (under .../ray/:
-# the dashboard, its agents, the monitors, workers before they rename themselves) and its workers
-# ("ray::<class>", "ray::IDLE").
-RAY_PROCESS = re.compile(r"ray::|/ray/|\bgcs_server\b|\braylet\b")
+# the dashboard, its agents, the monitors, workers before they rename themselves), its workers
+# ("ray::<class>", "ray::IDLE") and the raylet's dashboard-agent stand-in.
+RAY_PROCESS = re.compile(r"ray::|/ray/|\bgcs_server\b|\braylet\b|dashboard_agent_stand_in")
 
 
 def ray_processes() -> dict[int, str]:
@@ -139,14 +139,22 @@ def _no_monitors_or_idle_workers(processes: dict[int, str]) -> None:
         commands
     )
     assert not [c for c in commands if c.startswith("ray::IDLE")], commands
-    # No dashboard head (Ray starts one even with include_dashboard=False); the raylet's agents stay.
+    # No dashboard head (Ray starts one even with include_dashboard=False), and the raylet's
+    # dashboard agent is the stand-in; the runtime-env agent stays (actors' variables need it).
     assert not [c for c in commands if "dashboard/dashboard.py" in c], commands
+    assert not [c for c in commands if "dashboard/agent.py" in c], commands
 
 
 def test_the_lean_node_starts_no_monitors_and_no_idle_workers(lean):
     commands = list(lean["at_start"].values())
     assert any("gcs_server" in c for c in commands) and any("raylet" in c for c in commands), commands
     _no_monitors_or_idle_workers(lean["at_start"])
+    (stand_in,) = [  # the raylet's own command line names it too
+        pid
+        for pid, c in lean["at_start"].items()
+        if "dashboard_agent_stand_in.py" in c and "raylet_socket" not in c
+    ]
+    assert psutil.Process(stand_in).memory_info().rss < 30 * 2**20
 
 
 def test_actors_get_their_own_environment_variables(lean, make_group):

@@ -74,18 +74,19 @@ RANK = textwrap.dedent(
 
     seen = {name: name in sys.modules for name in MEGATRON_UNUSED_IMPORTS}
     writer = timers.SummaryWriter
-    import wandb  # importable again once megatron-core has imported
+    import wandb  # importable again once megatron-core has imported (the run log's own use)
+    from torch.utils.tensorboard import SummaryWriter
 
     destroy_model_parallel()
     print(json.dumps({"seen": seen, "timers_wandb": timers.wandb is None, "writer": writer is None,
-                      "wandb_after": wandb.__name__}))
+                      "wandb_after": wandb.__name__, "tensorboard_after": SummaryWriter.__name__}))
     """
 )
 
 
 def test_a_megatron_rank_starts_without_wandb_and_tensorboard():
     """A fresh process, as a worker: megatron-core's timers take their not-installed path, the
-    rank never loads either package, and a later import of wandb still works."""
+    rank never loads either package, and later imports of both still work."""
     out = subprocess.run(
         [sys.executable, "-c", RANK, str(REPO)], capture_output=True, text=True, timeout=300, cwd=REPO
     )
@@ -96,4 +97,5 @@ def test_a_megatron_rank_starts_without_wandb_and_tensorboard():
         "timers_wandb": True,
         "writer": True,
         "wandb_after": "wandb",
+        "tensorboard_after": "SummaryWriter",
     }, report

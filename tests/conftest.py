@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny HF models made once per test session, helpers to launch torchrun."""
+"""Shared fixtures: tiny HF models made once per test session, helpers to launch torchrun and
+fresh Python processes."""
 
 from __future__ import annotations
 
@@ -52,6 +53,22 @@ def run_torchrun(script_args: list[str], nproc: int, timeout: int = 600) -> subp
             f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )
     return proc
+
+
+def fresh_python(code: str, *args, env: dict | None = None, timeout: float = 300):
+    """Run `code` in a fresh Python process from the repository root with `args` as its argv (and
+    `env` over this process's environment); fail with the tail of its stderr when it fails, else
+    return its last stdout line read as JSON (what a probe reports of its own process)."""
+    out = subprocess.run(
+        [PYTHON, "-c", code, *map(str, args)],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # A short SFT and tiny RL steps of the quickstart config (two prompts x two samples, 4 tasks).

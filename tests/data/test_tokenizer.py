@@ -4,14 +4,12 @@ tokenizer without transformers' model registry (checked in fresh processes)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from megatron_agent.data.tokenizer import folder_key, load_tokenizer
 from megatron_agent.platform.user_cache import CACHE_ENV, cache_dir
+from tests.conftest import fresh_python
 
 MESSAGES = [
     {"role": "system", "content": "Use the calculator."},
@@ -49,17 +47,9 @@ def outputs_of(tok, messages=MESSAGES, tools=TOOLS, text=TEXT) -> list:
 
 def probe(folder, cache) -> dict:
     """`load_tokenizer(folder)` in a fresh process with the cache at `cache`."""
-    env = {**os.environ, CACHE_ENV: str(cache)}
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE % OUTPUTS, str(folder), json.dumps([MESSAGES, TOOLS, TEXT])],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
+    return fresh_python(
+        PROBE % OUTPUTS, folder, json.dumps([MESSAGES, TOOLS, TEXT]), env={CACHE_ENV: str(cache)}, timeout=120
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 from megatron_agent.platform.hidden_imports import hidden_imports
-from tests.conftest import REPO
+from tests.conftest import fresh_python
 
 
 @pytest.fixture
@@ -66,7 +64,6 @@ def test_the_block_undoes_itself_when_the_import_inside_fails(packages):
 RANK = textwrap.dedent(
     """
     import json, sys
-    sys.path.insert(0, sys.argv[1])
     from megatron_agent.platform.parallel import MEGATRON_UNUSED_IMPORTS, destroy_model_parallel, init_model_parallel
 
     init_model_parallel(1, 1)
@@ -87,11 +84,7 @@ RANK = textwrap.dedent(
 def test_a_megatron_rank_starts_without_wandb_and_tensorboard():
     """A fresh process, as a worker: megatron-core's timers take their not-installed path, the
     rank never loads either package, and later imports of both still work."""
-    out = subprocess.run(
-        [sys.executable, "-c", RANK, str(REPO)], capture_output=True, text=True, timeout=300, cwd=REPO
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = fresh_python(RANK)
     assert report == {
         "seen": {"wandb": False, "tensorboard": False},
         "timers_wandb": True,

@@ -4,17 +4,13 @@ layouts slowed down with each), and the default group stays."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
-from tests.conftest import REPO
+from tests.conftest import fresh_python
 
 LAYOUTS = textwrap.dedent(
     """
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
+    import json
     import torch
     import torch.distributed as dist
     from megatron_agent.platform.parallel import destroy_model_parallel, init_model_parallel, process_groups
@@ -37,11 +33,7 @@ LAYOUTS = textwrap.dedent(
 
 
 def test_destroy_model_parallel_destroys_the_groups_its_layout_made():
-    out = subprocess.run(
-        [sys.executable, "-c", LAYOUTS, str(REPO)], capture_output=True, text=True, timeout=300, cwd=REPO
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = fresh_python(LAYOUTS)
     made, after = report["counts"][0], report["counts"][1]
     assert after == 1 and made > 5, report  # only the default group outlives a layout
     assert report["counts"] == [made, 1] * 3 + [made], report  # nothing accumulates

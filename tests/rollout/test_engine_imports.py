@@ -4,21 +4,16 @@ import them afterwards."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-from tests.conftest import REPO
+from tests.conftest import fresh_python
 
 ENGINE = textwrap.dedent(
     """
     import json, sys
-    sys.path.insert(0, sys.argv[1])
     from megatron_agent.rollout.engine import CPU_ENGINE_UNUSED_IMPORTS, SamplingConfig, VLLMEngine
 
-    engine = VLLMEngine(sys.argv[2], dtype="float32", kv_cache_memory_bytes=32 * 1024 * 1024, seed=0)
+    engine = VLLMEngine(sys.argv[1], dtype="float32", kv_cache_memory_bytes=32 * 1024 * 1024, seed=0)
     (out,) = engine.generate([[1, 2, 3, 4]], SamplingConfig(max_tokens=8, temperature=1.0))
     loaded = {name: name in sys.modules for name in CPU_ENGINE_UNUSED_IMPORTS}
     with open("/proc/self/maps") as maps:
@@ -32,17 +27,7 @@ ENGINE = textwrap.dedent(
 
 
 def test_a_cpu_engine_builds_and_generates_without_triton_scipy_and_opencv(tiny_model_dir):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", ENGINE, str(REPO), str(tiny_model_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = fresh_python(ENGINE, tiny_model_dir, env={"OMP_NUM_THREADS": "1"})
     assert report == {
         "loaded": {"triton": False, "scipy": False, "cv2": False},
         "libtriton": False,

@@ -4,12 +4,10 @@ and the tiny base model (docs/lean.md): 1.5-2 s of the start-up and about 150 MB
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.conftest import REPO, fresh_python
 
 INPUTS = """
 import json, sys
@@ -23,17 +21,7 @@ print(json.dumps({"heavy": heavy, "tasks": len(trainer.train_tasks), "eos": trai
 
 
 def inputs_of(run_dir, cache) -> dict:
-    env = {**os.environ, "MEGATRON_AGENT_CACHE": str(cache)}
-    out = subprocess.run(
-        [sys.executable, "-c", INPUTS, str(run_dir)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return fresh_python(INPUTS, run_dir, env={"MEGATRON_AGENT_CACHE": str(cache)})
 
 
 def test_the_drivers_inputs_skip_the_model_registry_once_cached(tmp_path):
@@ -62,11 +50,12 @@ print(json.dumps("torch" in sys.modules))
 def test_nothing_before_rays_start_imports_torch(tmp_path):
     """What `Run` does before Ray begins (config, resume folder, inputs, task files) leaves torch
     (1 s to import) to the time Ray starts in; a GPU-only setting still asks torch, and is refused."""
-    run = [sys.executable, "-c", BEFORE_RAY, str(tmp_path)]
-    out = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) is False
+    assert fresh_python(BEFORE_RAY, tmp_path, timeout=120) is False
     gpu_only = subprocess.run(
-        [*run, "model.fp8=delayed"], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", BEFORE_RAY, str(tmp_path), "model.fp8=delayed"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert gpu_only.returncode != 0 and "model.fp8='delayed' needs Transformer Engine" in gpu_only.stderr

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_agent.errors import RunFailure
+from megatron_agent.platform import dashboard_agent_stand_in
 
 
 class WorkerError(RunFailure):
@@ -44,7 +45,7 @@ class WorkerDiedError(WorkerError):
 # variables, so a prestarted default worker is never reused), its log monitor (worker output goes
 # to the run's log files, `log_to_driver=False`) or its autoscaler monitor (one node, no scaling).
 LEAN_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
-DASHBOARD_AGENT_STAND_IN = Path(__file__).resolve().parents[1] / "platform" / "dashboard_agent_stand_in.py"
+DASHBOARD_AGENT_STAND_IN = Path(dashboard_agent_stand_in.__file__)  # the raylet runs it as a script
 _local_node = None  # the lean local cluster's node (`start_local_node`), stopped by `stop_ray`
 
 

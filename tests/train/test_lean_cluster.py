@@ -1,5 +1,6 @@
 """The lean local Ray cluster (`start_ray`: no log monitor, no autoscaler monitor, no prestarted
-idle workers, no dashboard, a stand-in for the dashboard agent) serves every Ray feature a run uses: actors with their
+idle workers, no dashboard, a stand-in for the dashboard agent, workers started through the
+setup-worker stand-in) serves every Ray feature a run uses: actors with their
 own environment variables, placement groups, the object store, `ray.wait` with a timeout, death
 detection and replacement, `ray.kill`, the node's address; and `stop_ray` leaves no Ray process.
 
@@ -26,8 +27,11 @@ from megatron_agent.train.cluster import (
 
 # Processes Ray starts: its binaries (gcs_server, raylet), its Python processes (under .../ray/:
 # the dashboard, its agents, the monitors, workers before they rename themselves), its workers
-# ("ray::<class>", "ray::IDLE") and the raylet's dashboard-agent stand-in.
-RAY_PROCESS = re.compile(r"ray::|/ray/|\bgcs_server\b|\braylet\b|dashboard_agent_stand_in")
+# ("ray::<class>", "ray::IDLE"), the raylet's dashboard-agent stand-in, and a worker still in the
+# setup-worker stand-in.
+RAY_PROCESS = re.compile(
+    r"ray::|/ray/|\bgcs_server\b|\braylet\b|dashboard_agent_stand_in|setup_worker_stand_in"
+)
 
 
 def ray_processes() -> dict[int, str]:
@@ -155,6 +159,9 @@ def test_the_lean_node_starts_no_monitors_and_no_idle_workers(lean):
         if "dashboard_agent_stand_in.py" in c and "raylet_socket" not in c
     ]
     assert psutil.Process(stand_in).memory_info().rss < 30 * 2**20
+    (raylet,) = [c for c in commands if "raylet_socket" in c]  # it starts its workers with the stand-in
+    assert re.search(r"--python_worker_command=\S*python\S* \S*/setup_worker_stand_in\.py ", raylet), raylet
+    assert "workers/setup_worker.py" not in raylet
 
 
 def test_actors_get_their_own_environment_variables(lean, make_group):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -93,8 +94,13 @@ def enable() -> None:
     if torch.cuda.is_available():
         raise RuntimeError("cuda_on_cpu.enable() must never run on a machine with CUDA")
 
-    # Import megatron (and through it torch._dynamo, which indexes torch.cuda's functions) before
-    # anything is replaced; each replacement is its own function object for the same reason.
+    # Import megatron and torch._dynamo (which indexes torch.cuda's functions) before anything is
+    # replaced; each replacement is its own function object for the same reason. megatron-core no
+    # longer imports torch._dynamo itself here (its torch.compile calls are deferred).
+    from megatron_agent.platform.parallel import import_megatron_core
+
+    import_megatron_core()
+    importlib.import_module("torch._dynamo")
     from megatron.core.tensor_parallel import random as tp_random
 
     cuda = torch.cuda

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
+from megatron_agent.platform.deferred_compile import deferred_torch_compile
 from megatron_agent.platform.hidden_imports import hidden_imports
 
 MEGATRON_UNUSED_IMPORTS = ("wandb", "tensorboard")
@@ -12,10 +14,18 @@ and TensorBoard for writers this project never gives them (the driver logs the r
 0.4-0.5 s of every rank's start."""
 
 
+def import_megatron_core() -> None:
+    """Import megatron-core for a rank: without `MEGATRON_UNUSED_IMPORTS`, and on CPU with its
+    import-time `torch.compile` calls deferred to their first call (`platform/deferred_compile.py`:
+    its fused kernels, which a CPU rank never calls). Nothing happens once it is imported."""
+    with hidden_imports(MEGATRON_UNUSED_IMPORTS), deferred_torch_compile(not torch.cuda.is_available()):
+        import megatron.core  # noqa: F401
+
+
 def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int = 1, seed: int = 42) -> None:
     """Create Megatron's TP/PP/DP groups over the default process group and seed the TP RNG."""
-    with hidden_imports(MEGATRON_UNUSED_IMPORTS):
-        from megatron.core import parallel_state as ps
+    import_megatron_core()
+    from megatron.core import parallel_state as ps
 
     from megatron_agent.platform.setup import init_distributed, seed_everything
 

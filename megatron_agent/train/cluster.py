@@ -170,10 +170,15 @@ def start_local_node(num_cpus: int) -> str | None:
                 """Not started (above)."""
 
             def start_raylet(self, *args, **kwargs):
-                """Ray's raylet, given the stand-in for its dashboard agent (above)."""
+                """Ray's raylet, given the stand-in for its dashboard agent (above). Ray imports
+                its dashboard's dependencies here (aiohttp, prometheus, ...: 0.4 s of the driver's
+                CPU) only to choose whether that agent runs minimal: it is told to, unchecked
+                (what the stand-in ignores, and an agent without those dependencies does)."""
                 from ray._private import ray_constants, services
+                from ray._private import utils as ray_utils
 
                 start_process = services.start_ray_process
+                dependency_check = ray_utils.get_dashboard_dependency_error
 
                 def start(command, process_type, *more, **options):
                     if process_type == ray_constants.PROCESS_TYPE_RAYLET:
@@ -181,10 +186,12 @@ def start_local_node(num_cpus: int) -> str | None:
                     return start_process(command, process_type, *more, **options)
 
                 services.start_ray_process = start
+                ray_utils.get_dashboard_dependency_error = dashboard_dependencies_unchecked
                 try:
                     return super().start_raylet(*args, **kwargs)
                 finally:
                     services.start_ray_process = start_process
+                    ray_utils.get_dashboard_dependency_error = dependency_check
 
         params = RayParams(
             num_cpus=num_cpus,
@@ -200,6 +207,12 @@ def start_local_node(num_cpus: int) -> str | None:
         params, head=True, shutdown_at_exit=False, spawn_reaper=False, ray_init_cluster=True
     )
     return _local_node.address
+
+
+def dashboard_dependencies_unchecked() -> ImportError:
+    """What the lean node's raylet start gets from Ray's dashboard-dependency check: "missing", so
+    that a dashboard agent runs minimal, without importing them (`start_local_node`)."""
+    return ImportError("not checked: a lean local node's dashboard agent runs minimal")
 
 
 def with_dashboard_agent_stand_in(raylet_command: list[str]) -> list[str]:

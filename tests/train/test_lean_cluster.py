@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import textwrap
 import time
 
 import numpy as np
@@ -24,6 +25,7 @@ from megatron_agent.train.cluster import (
     start_ray,
     stop_ray,
 )
+from tests.conftest import fresh_python
 
 # Processes Ray starts: its binaries (gcs_server, raylet), its Python processes (under .../ray/:
 # the dashboard, its agents, the monitors, workers before they rename themselves), its workers
@@ -255,6 +257,25 @@ def test_the_node_ip_address_is_the_same_for_driver_workers_and_cluster(lean, ma
     assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", address), address
     assert make_group("ip", 1).call("node_ip") == [address]
     assert [node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]] == [address]
+
+
+def test_the_lean_start_does_not_import_the_dashboards_dependencies():
+    # Ray imports them (aiohttp, prometheus, ...) only to choose a minimal dashboard agent; the
+    # lean node tells it "minimal" unchecked, and restores the check after the raylet's start.
+    code = textwrap.dedent(
+        """
+        import json, sys
+        import ray._private.utils as ray_utils
+        from megatron_agent.train.cluster import start_ray, stop_ray
+        check = ray_utils.get_dashboard_dependency_error
+        start_ray(num_cpus=1)
+        loaded = [m for m in ("ray.dashboard.optional_deps", "aiohttp") if m in sys.modules]
+        restored = ray_utils.get_dashboard_dependency_error is check
+        stop_ray()
+        print(json.dumps({"loaded": loaded, "restored": restored}))
+        """
+    )
+    assert fresh_python(code) == {"loaded": [], "restored": True}
 
 
 def test_stop_ray_leaves_no_ray_process_but_the_reaper(lean):

@@ -110,7 +110,14 @@ def main(argv=None) -> int:
     from megatron_agent.rollout.engine import engine_process_env
 
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    worker_env = {**env, **engine_process_env()}  # what the run gives its workers
+    # what the run gives each kind: an engine its process variables (`Trainer.start`), and the one
+    # Megatron rank of a world of 1 every core for its threads (not the engine's variables)
+    engine_env = {**env, **engine_process_env()}
+    envs = {
+        "ray": env,
+        "megatron": {**env, "OMP_NUM_THREADS": str(os.cpu_count() or 1)},
+        "engine": engine_env,
+    }
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
         tmp = Path(tmp)
         base = tmp / "base_model"  # the quickstart's model, made once (as a run's first start does)
@@ -119,15 +126,13 @@ def main(argv=None) -> int:
         from megatron_agent.models.tiny import make_quickstart_model
 
         make_quickstart_model(base, seed=load_config(str(CONFIG), []).trainer.seed)
-        component_seconds("engine", tmp / "warmup", overrides, worker_env)  # untimed: a warm vLLM cache
+        component_seconds("engine", tmp / "warmup", overrides, engine_env)  # untimed: a warm vLLM cache
         times: dict[str, list[float]] = {"ray": [], "megatron": [], "engine": [], "run": []}
         phases: dict[str, float] = {}
         for r in range(args.rounds):
             for kind in ("ray", "megatron", "engine"):
                 folder = tmp / f"{kind}_{r}"
-                times[kind].append(
-                    component_seconds(kind, folder, overrides, worker_env if kind != "ray" else env)
-                )
+                times[kind].append(component_seconds(kind, folder, overrides, envs[kind]))
             perf = run_seconds(tmp / f"run_{r}", overrides, env)
             times["run"].append(perf["timing_s/startup/total"])
             phases = perf

@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from megatron_agent.rollout.engine import engine_process_env
+    from megatron_agent.train.megatron_worker import rank_threads
 
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     # what the run gives each kind: an engine its process variables (`Trainer.start`), and the one
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     engine_env = {**env, **engine_process_env()}
     envs = {
         "ray": env,
-        "megatron": {**env, "OMP_NUM_THREADS": str(os.cpu_count() or 1)},
+        "megatron": {**env, "OMP_NUM_THREADS": str(rank_threads(1))},
         "engine": engine_env,
     }
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:

@@ -25,15 +25,15 @@ import os
 import re
 import sys
 
-SIMPLE_CONTEXT_KEYS = {
+KNOWN_CONTEXT_FIELDS = {
     "command_prefix",
     "env_vars",
     "py_executable",
     "override_worker_entrypoint",
     "java_jars",
 }
-"""The fields of Ray's `RuntimeEnvContext`; the stand-in acts alone when only the variables and the
-Python executable are set."""
+"""The fields of Ray's `RuntimeEnvContext` that this stand-in knows (a context with another one
+goes to Ray's script); it acts alone when only the variables and the Python executable are set."""
 
 UNSET_VARIABLE = re.compile(r"\$\{[A-Z0-9_]+\}")
 
@@ -51,7 +51,7 @@ def is_simple(context: dict, language: str | None) -> bool:
     """Whether the context only sets variables (and names a Python) for a Python worker."""
     return (
         language == "PYTHON"
-        and set(context) <= SIMPLE_CONTEXT_KEYS
+        and set(context) <= KNOWN_CONTEXT_FIELDS
         and not context.get("command_prefix")
         and not context.get("override_worker_entrypoint")
         and not context.get("java_jars")

@@ -23,6 +23,12 @@ from megatron_agent.train.critic_role import CRITIC_DIR, CriticRole
 from megatron_agent.train.drills import DrillPlan, Drills
 
 
+def rank_threads(num_ranks: int) -> int:
+    """Threads for each of `num_ranks` Megatron ranks sharing this machine's cores on CPU (what
+    the driver gives every rank as OMP_NUM_THREADS)."""
+    return max(1, (os.cpu_count() or 1) // num_ranks)
+
+
 def build_options(cfg: Config, layout: tuple[int, ...] = ()) -> BuildOptions:
     """How the models are built: the `model` section at the parallel layout `parallel.*`, or at
     `layout` = (tp, pp, vpp, ...) (a separate critic's, `RunPlan.critic_layout`)."""
@@ -146,9 +152,7 @@ class MegatronRank:
         )
         if not has_cuda():
             threads = os.environ.get("OMP_NUM_THREADS", "")
-            torch.set_num_threads(
-                int(threads) if threads.isdigit() else max(1, (os.cpu_count() or 1) // self.world_size)
-            )
+            torch.set_num_threads(int(threads) if threads.isdigit() else rank_threads(self.world_size))
         tp, pp, vpp = layout[:3]
         init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=self.cfg.trainer.seed)
 

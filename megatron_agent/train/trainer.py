@@ -10,7 +10,6 @@ on the Ray cluster that its owner started (`train/run.py`, or a test's `ray_clus
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -158,7 +157,7 @@ class Trainer:
 
         from megatron_agent.rollout.engine import engine_process_env
         from megatron_agent.train.cluster import finish_together
-        from megatron_agent.train.megatron_worker import MegatronWorker
+        from megatron_agent.train.megatron_worker import MegatronWorker, rank_threads
         from megatron_agent.train.rollout_worker import RolloutWorker
 
         cfg = self.cfg
@@ -175,7 +174,7 @@ class Trainer:
         # Not malloc on huge pages (as the engines): a rank's forward then differed between two
         # processes in 1 of 5 runs (1e-7), which deterministic mode and exact resume cannot have.
         # The cores are shared out among every Megatron rank (a separate critic's too).
-        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (world + critic_world)))}
+        env = {"OMP_NUM_THREADS": str(rank_threads(world + critic_world))}
 
         def megatron_group(cls, size: int, name: str) -> WorkerGroup:
             return WorkerGroup(

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the quickstart config")
     args = parser.parse_args(argv)
 
-    from megatron_agent.rollout.engine import engine_process_env
+    from megatron_agent.rollout.engine_env import engine_process_env
     from megatron_agent.train.megatron_worker import rank_threads
 
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

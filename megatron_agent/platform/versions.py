@@ -27,6 +27,8 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from megatron_agent.platform.accelerator import cuda_available
+
 # Distribution names tried for each component, first found wins (metadata lookups normalise
 # '-', '_' and case). NGC images build TE from source as `transformer_engine`; PyPI splits it.
 DISTRIBUTIONS = {
@@ -196,12 +198,6 @@ def _vllm_torch_pin(vllm_dist: str | None) -> str | None:
     return None
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
 def check_versions(
     versions: dict[str, str | None] | None = None,
     cuda: bool | None = None,
@@ -216,7 +212,7 @@ def check_versions(
     detected = versions is None
     if detected:
         versions = installed_versions()
-    platform = "gpu" if (cuda if cuda is not None else _cuda_available()) else "cpu"
+    platform = "gpu" if (cuda if cuda is not None else cuda_available()) else "cpu"
     messages = []
     for component in ("torch", "megatron-core", "vllm"):
         if versions.get(component) is None:

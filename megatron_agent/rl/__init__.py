@@ -1,47 +1,42 @@
 """RL core: advantage estimators, KL estimators and controllers, the fp32 masked policy loss,
-loss aggregation, rollout-vs-trainer mismatch, and the step guard. Pure torch."""
+loss aggregation, rollout-vs-trainer mismatch, and the step guard. Pure torch.
 
-from megatron_agent.rl.advantages import ESTIMATORS, compute_advantages
-from megatron_agent.rl.aggregate import AGG_MODES, BatchCounts, agg_loss, global_batch_counts
-from megatron_agent.rl.guard import (
-    GuardBatch,
-    GuardDecision,
-    GuardError,
-    GuardLimits,
-    StepGuard,
-    agree_to_skip,
-    format_report_table,
-)
-from megatron_agent.rl.kl import KL_ESTIMATORS, apply_kl_in_reward, compute_kl_loss, kl_penalty
-from megatron_agent.rl.kl_controller import AdaptiveKLController, FixedKLController, make_kl_controller
-from megatron_agent.rl.mismatch import mismatch_metrics, rollout_is_weights, staleness_metrics
-from megatron_agent.rl.policy_loss import LOSS_MODES, compute_policy_loss, token_policy_loss
+The names below are imported from their modules on first use (`platform/lazy_exports.py`): the
+driver makes its KL controller (`rl.kl_controller`) before its workers start, without torch."""
 
-__all__ = [
-    "AGG_MODES",
-    "ESTIMATORS",
-    "KL_ESTIMATORS",
-    "LOSS_MODES",
-    "AdaptiveKLController",
-    "BatchCounts",
-    "FixedKLController",
-    "GuardBatch",
-    "GuardDecision",
-    "GuardError",
-    "GuardLimits",
-    "StepGuard",
-    "agg_loss",
-    "agree_to_skip",
-    "apply_kl_in_reward",
-    "compute_advantages",
-    "compute_kl_loss",
-    "compute_policy_loss",
-    "format_report_table",
-    "global_batch_counts",
-    "kl_penalty",
-    "make_kl_controller",
-    "mismatch_metrics",
-    "rollout_is_weights",
-    "staleness_metrics",
-    "token_policy_loss",
-]
+from __future__ import annotations
+
+from megatron_agent.platform.lazy_exports import lazy_exports
+
+_MODULE_OF = {
+    "ESTIMATORS": "advantages",
+    "compute_advantages": "advantages",
+    "AGG_MODES": "aggregate",
+    "BatchCounts": "aggregate",
+    "agg_loss": "aggregate",
+    "global_batch_counts": "aggregate",
+    "GuardBatch": "guard",
+    "GuardDecision": "guard",
+    "GuardError": "guard",
+    "GuardLimits": "guard",
+    "StepGuard": "guard",
+    "agree_to_skip": "guard",
+    "format_report_table": "guard",
+    "KL_ESTIMATORS": "kl",
+    "apply_kl_in_reward": "kl",
+    "compute_kl_loss": "kl",
+    "kl_penalty": "kl",
+    "AdaptiveKLController": "kl_controller",
+    "FixedKLController": "kl_controller",
+    "make_kl_controller": "kl_controller",
+    "mismatch_metrics": "mismatch",
+    "rollout_is_weights": "mismatch",
+    "staleness_metrics": "mismatch",
+    "LOSS_MODES": "policy_loss",
+    "compute_policy_loss": "policy_loss",
+    "token_policy_loss": "policy_loss",
+}
+
+__all__ = sorted(_MODULE_OF)
+
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)

@@ -3,25 +3,30 @@
 It knows no Megatron: weights come in as `(hf_name, tensor)` pairs through
 `VLLMEngine.update_weights`, trajectories go out as `Trajectory` objects, padded tensors
 (`build_training_batch`) and rollout dumps (`write_rollout_dump`).
+
+The names below are imported from their modules on first use (`platform/lazy_exports.py`): the
+driver reads prompts with `rollout.chat` before its workers start, without torch or vLLM.
 """
 
-from megatron_agent.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_agent.rollout.dump import read_rollout_dump, rollout_dump_path, write_rollout_dump
-from megatron_agent.rollout.engine import GenerationOutput, SamplingConfig
-from megatron_agent.rollout.metrics import rollout_metrics
-from megatron_agent.rollout.trajectory import TokenSource, ToolCallRecord, Trajectory, build_training_batch
+from __future__ import annotations
 
-__all__ = [
-    "AgentLoop",
-    "AgentLoopConfig",
-    "GenerationOutput",
-    "SamplingConfig",
-    "TokenSource",
-    "ToolCallRecord",
-    "Trajectory",
-    "build_training_batch",
-    "read_rollout_dump",
-    "rollout_dump_path",
-    "rollout_metrics",
-    "write_rollout_dump",
-]
+from megatron_agent.platform.lazy_exports import lazy_exports
+
+_MODULE_OF = {
+    "AgentLoop": "agent_loop",
+    "AgentLoopConfig": "agent_loop",
+    "read_rollout_dump": "dump",
+    "rollout_dump_path": "dump",
+    "write_rollout_dump": "dump",
+    "GenerationOutput": "engine",
+    "SamplingConfig": "engine",
+    "rollout_metrics": "metrics",
+    "TokenSource": "trajectory",
+    "ToolCallRecord": "trajectory",
+    "Trajectory": "trajectory",
+    "build_training_batch": "trajectory",
+}
+
+__all__ = sorted(_MODULE_OF)
+
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)

@@ -1,12 +1,18 @@
-"""Build the rollout pieces (engine, tools, agent loop) from the typed config."""
+"""Build the rollout pieces (engine, tools, agent loop) from the typed config.
+
+The agent loop and the engines (torch, vLLM) are imported where they are built: the driver
+builds its toolset here (to measure prompts with their tool schemas) before its workers start."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megatron_agent.config import Config
 from megatron_agent.envs.tools import ToolSet, make_tool
-from megatron_agent.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_agent.rollout.async_engine import AsyncEngine
 from megatron_agent.rollout.chat import ChatFormat
+
+if TYPE_CHECKING:
+    from megatron_agent.rollout.agent_loop import AgentLoop, AgentLoopConfig
 
 ENGINES = ("vllm", "hf")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -109,6 +115,8 @@ def build_toolset(
 
 def agent_loop_config(cfg: Config) -> AgentLoopConfig:
     """`AgentLoopConfig` from the rollout and tools sections."""
+    from megatron_agent.rollout.agent_loop import AgentLoopConfig
+
     r, t = cfg.rollout, cfg.tools
     return AgentLoopConfig(
         max_new_tokens=r.max_new_tokens,
@@ -130,6 +138,9 @@ def agent_loop_config(cfg: Config) -> AgentLoopConfig:
 
 def build_agent_loop(cfg: Config, engine, tools: ToolSet, turn_hook=None) -> AgentLoop:
     """An `AgentLoop` over `engine` (wrapped in an `AsyncEngine`) with `tools`."""
+    from megatron_agent.rollout.agent_loop import AgentLoop
+    from megatron_agent.rollout.async_engine import AsyncEngine
+
     return AgentLoop(
         AsyncEngine(engine), ChatFormat(engine.tokenizer), tools, agent_loop_config(cfg), turn_hook
     )

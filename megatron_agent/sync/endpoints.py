@@ -119,7 +119,7 @@ class SubprocessEndpoint:
     ):
         import multiprocessing as mp
 
-        from megatron_agent.rollout.engine import engine_process_env
+        from megatron_agent.rollout.engine_env import engine_process_env
         from megatron_agent.sync.server import serve_engine
 
         self._dir = tempfile.mkdtemp(prefix="megatron-agent-engine-")

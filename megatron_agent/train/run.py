@@ -315,8 +315,6 @@ def async_pipeline(trainer, state: dict | None):
     """The admitted-rollout pipeline of an async run (None in sync mode), restored from a
     checkpoint's driver `state` when resuming. A checkpoint holding admitted batches resumes
     only in async mode with a bound at least as large as theirs (ConfigError otherwise)."""
-    from megatron_agent.train.async_rollouts import RolloutPipeline
-
     saved = (state or {}).get("async")
     plan = trainer.plan
     if plan.mode != "async":
@@ -326,6 +324,8 @@ def async_pipeline(trainer, state: dict | None):
                 "resume it with trainer.mode=async (or start a new run folder)"
             )
         return None
+    from megatron_agent.train.async_rollouts import RolloutPipeline
+
     pipeline = RolloutPipeline(trainer, plan.max_staleness)
     if saved:
         if saved["max_staleness"] > plan.max_staleness and saved["batches"]:

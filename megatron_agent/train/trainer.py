@@ -12,18 +12,19 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_agent.config import Config, ConfigError, RunPlan, config_to_dict, make_plan
 from megatron_agent.data.sampler import PromptSampler
 from megatron_agent.data.tasks import Task, read_task_files
 from megatron_agent.envs.tools import merge_tool_metrics
 from megatron_agent.rl.kl_controller import make_kl_controller
-from megatron_agent.train.batch import RLBatch
 from megatron_agent.train.cluster import WorkerDiedError, WorkerGroup
 from megatron_agent.train.run_log import progress
 from megatron_agent.train.update_metrics import combine_replicas
+
+if TYPE_CHECKING:
+    from megatron_agent.train.batch import RLBatch
 
 logger = logging.getLogger("megatron_agent.train")
 
@@ -155,9 +156,9 @@ class Trainer:
         a worker that fails to start raises a `WorkerError` naming it (its kind and rank)."""
         import ray
 
-        from megatron_agent.rollout.engine import engine_process_env
+        from megatron_agent.platform.accelerator import cuda_available
+        from megatron_agent.rollout.engine_env import engine_process_env
         from megatron_agent.train.cluster import finish_together
-        from megatron_agent.train.megatron_worker import MegatronWorker, rank_threads
         from megatron_agent.train.rollout_worker import RolloutWorker
 
         cfg = self.cfg
@@ -165,12 +166,32 @@ class Trainer:
             raise RuntimeError("Trainer.start() needs a Ray cluster: start it with train.cluster.ray_cluster")
         begin = time.perf_counter()
         cfg_dict, plan_dict = config_to_dict(cfg), self.plan.to_dict()
+        on_gpu = cuda_available()
+        log_dir = self.run_dir / "logs"
+        timeout = cfg.trainer.worker_timeout_s
+        if engines:  # first: the engine's start is the longest, and needs nothing of the ranks
+            engine_env = engine_process_env()
+            if self.plan.mode == "async":
+                # The engine core in the engine's process on GPU too: a sync then stops it exactly
+                # between two steps (a separate core process runs ahead of the steps we see).
+                engine_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            self.engines = WorkerGroup(
+                engine_cls or RolloutWorker,
+                cfg.rollout.num_engines,
+                name="rollout",
+                log_dir=log_dir,
+                num_cpus=0,
+                num_gpus=cfg.rollout.tp if on_gpu and not cfg.rollout.colocate else 0,
+                init_args=(cfg_dict, plan_dict),
+                timeout_s=timeout,
+                env_vars=engine_env,
+            )
+        # The driver's first torch import (about 1 s, beside the engines' start): the ranks' module
+        from megatron_agent.train.megatron_worker import MegatronWorker, rank_threads
+
         world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
         critic_layout = self.plan.critic_layout
         critic_world = critic_layout[0] * critic_layout[1] * critic_layout[3] if critic_layout else 0
-        on_gpu = torch.cuda.is_available()
-        log_dir = self.run_dir / "logs"
-        timeout = cfg.trainer.worker_timeout_s
         # Not malloc on huge pages (as the engines): a rank's forward then differed between two
         # processes in 1 of 5 runs (1e-7), which deterministic mode and exact resume cannot have.
         # The cores are shared out among every Megatron rank (a separate critic's too).
@@ -194,23 +215,6 @@ class Trainer:
             from megatron_agent.train.critic_worker import CriticWorker
 
             self.critics = megatron_group(CriticWorker, critic_world, "critic")
-        if engines:
-            engine_env = engine_process_env()
-            if self.plan.mode == "async":
-                # The engine core in the engine's process on GPU too: a sync then stops it exactly
-                # between two steps (a separate core process runs ahead of the steps we see).
-                engine_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            self.engines = WorkerGroup(
-                engine_cls or RolloutWorker,
-                cfg.rollout.num_engines,
-                name="rollout",
-                log_dir=log_dir,
-                num_cpus=0,
-                num_gpus=cfg.rollout.tp if on_gpu and not cfg.rollout.colocate else 0,
-                init_args=(cfg_dict, plan_dict),
-                timeout_s=timeout,
-                env_vars=engine_env,
-            )
         host, port = self.actors.call("rendezvous_address", ranks=[0])[0]
         calls = {"megatron": self.actors.submit("setup", host, port, cfg.trainer.init_from)}
         if self.critics is not None:  # its own world: its own rendezvous
@@ -542,6 +546,7 @@ def gather_rows(batch: RLBatch, name: str, parts: list[tuple[list[int], list]]) 
     """One tensor per sequence of `batch` from the replicas' (indices, per-sequence rows) pairs
     (`batch.host_row` arrays, or tensors); every sequence must be covered."""
     import numpy as np
+    import torch
 
     rows: list = [None] * len(batch)
     for indices, tensors in parts:

@@ -1,12 +1,12 @@
 """A CPU engine's process builds vLLM without the optional packages a text-only engine never uses
-(`rollout.engine.CPU_ENGINE_UNUSED_IMPORTS`: triton, scipy, OpenCV; and Inductor's lowerings where
+(`rollout.engine_env.CPU_ENGINE_UNUSED_IMPORTS`: triton, scipy, OpenCV; and Inductor's lowerings where
 TorchDynamo is off, as in a run's engines), generates, and can still import them afterwards."""
 
 from __future__ import annotations
 
 import textwrap
 
-from megatron_agent.rollout.engine import (
+from megatron_agent.rollout.engine_env import (
     CPU_ENGINE_UNUSED_IMPORTS,
     cpu_engine_unused_imports,
     engine_process_env,
@@ -16,7 +16,8 @@ from tests.conftest import fresh_python
 ENGINE = textwrap.dedent(
     """
     import json, sys
-    from megatron_agent.rollout.engine import SamplingConfig, VLLMEngine, cpu_engine_unused_imports
+    from megatron_agent.rollout.engine import SamplingConfig, VLLMEngine
+    from megatron_agent.rollout.engine_env import cpu_engine_unused_imports
 
     engine = VLLMEngine(sys.argv[1], dtype="float32", kv_cache_memory_bytes=32 * 1024 * 1024, seed=0)
     (out,) = engine.generate([[1, 2, 3, 4]], SamplingConfig(max_tokens=8, temperature=1.0))

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from megatron_agent.rollout.engine import HUGE_PAGE_TUNABLE, engine_process_env, huge_pages_env
+from megatron_agent.rollout.engine_env import HUGE_PAGE_TUNABLE, engine_process_env, huge_pages_env
 from megatron_agent.sync import SubprocessEndpoint
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine's environment")

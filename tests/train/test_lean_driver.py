@@ -1,6 +1,7 @@
 """The driver's inputs (base model, tokenizer, tasks: `Trainer.__init__`) import neither
 transformers' model registry nor torch._dynamo once the per-user cache holds the tokenizer's class
-and the tiny base model (docs/lean.md): 1.5-2 s of the start-up and about 150 MB of the driver."""
+and the tiny base model (docs/lean.md): 1.5-2 s of the start-up and about 150 MB of the driver.
+Nor torch (1 s), on a CPU-only torch build: the driver imports it once its engines are created."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ from tests.conftest import REPO, fresh_python
 INPUTS = """
 import json, sys
 from megatron_agent.config import load_config
+from megatron_agent.platform.versions import check_versions
+from megatron_agent.train.run import async_pipeline
 from megatron_agent.train.trainer import Trainer
 cfg = load_config("examples/quickstart/config.yaml", [f"trainer.run_dir={sys.argv[1]}", "sft.steps=0"])
 trainer = Trainer(cfg)
-heavy = [m for m in ("transformers.models.auto", "transformers.generation", "torch._dynamo") if m in sys.modules]
+async_pipeline(trainer, None); check_versions()  # what `Run.train` does next, before the workers
+heavy = [m for m in ("transformers.models.auto", "transformers.generation", "torch._dynamo", "torch")
+         if m in sys.modules]
 print(json.dumps({"heavy": heavy, "tasks": len(trainer.train_tasks), "eos": trainer.tokenizer.eos_token_id}))
 """
 
@@ -49,7 +54,8 @@ print(json.dumps("torch" in sys.modules))
 
 def test_nothing_before_rays_start_imports_torch(tmp_path):
     """What `Run` does before Ray begins (config, resume folder, inputs, task files) leaves torch
-    (1 s to import) to the time Ray starts in; a GPU-only setting still asks torch, and is refused."""
+    (1 s to import) out; a GPU-only setting is refused (torch is asked only where its build has a
+    GPU backend: `platform/accelerator.py`)."""
     assert fresh_python(BEFORE_RAY, tmp_path, timeout=120) is False
     gpu_only = subprocess.run(
         [sys.executable, "-c", BEFORE_RAY, str(tmp_path), "model.fp8=delayed"],

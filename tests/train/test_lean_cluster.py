@@ -24,6 +24,7 @@ from megatron_agent.train.cluster import (
     make_placement_group,
     start_ray,
     stop_ray,
+    wait_for_registration,
 )
 from tests.conftest import fresh_python
 
@@ -257,6 +258,90 @@ def test_the_node_ip_address_is_the_same_for_driver_workers_and_cluster(lean, ma
     assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", address), address
     assert make_group("ip", 1).call("node_ip") == [address]
     assert [node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]] == [address]
+
+
+def test_the_lean_nodes_start_sees_its_raylet_register():
+    # Ray's own wait asks the GCS once a second; the lean node's start asks every 20 ms first
+    code = textwrap.dedent(
+        """
+        import json
+        import megatron_agent.train.cluster as cluster
+        seen = []
+        wait = cluster.wait_for_registration
+        cluster.wait_for_registration = lambda node, **options: seen.append(wait(node, **options)) or seen[-1]
+        cluster.start_ray(num_cpus=1)
+        import ray
+        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        cluster.stop_ray()
+        print(json.dumps({"seen": seen, "alive": alive}))
+        """
+    )
+    out = fresh_python(code)
+    assert out["seen"] == [True] and len(out["alive"]) == 1, out
+
+
+class FakeGcs:
+    """Lists the node as alive from its `alive_from`-th ask on (raises instead with `error`)."""
+
+    class NodeId:
+        def __init__(self, hex_id: str):
+            self.hex_id = hex_id
+
+        def hex(self) -> str:
+            return self.hex_id
+
+    class Info:
+        ALIVE, DEAD = 0, 1
+
+        def __init__(self, state: int):
+            self.state = state
+
+    def __init__(self, node_id: str, alive_from: int, error: Exception | None = None):
+        self.node_id, self.alive_from, self.error, self.asks = node_id, alive_from, error, 0
+
+    def get_all_node_info(self, timeout=None):
+        self.asks += 1
+        if self.error is not None:
+            raise self.error
+        other = {self.NodeId("other"): self.Info(self.Info.ALIVE)}
+        state = self.Info.ALIVE if self.asks >= self.alive_from else self.Info.DEAD
+        return {**other, self.NodeId(self.node_id): self.Info(state)} if self.asks >= 2 else other
+
+
+class FakeNode:
+    def __init__(self, gcs: FakeGcs, raylet_exit_code: int | None = None):
+        from ray._private import ray_constants
+
+        class Raylet:
+            def poll(self):
+                return raylet_exit_code
+
+        class Info:
+            process = Raylet()
+
+        self.node_id, self.gcs = gcs.node_id, gcs
+        self.all_processes = {ray_constants.PROCESS_TYPE_RAYLET: [Info()]}
+
+    def get_gcs_client(self):
+        return self.gcs
+
+
+def test_the_registration_is_seen_as_soon_as_the_node_is_alive():
+    gcs = FakeGcs("ab12", alive_from=4)  # absent, dead (registering), then alive
+    assert wait_for_registration(FakeNode(gcs), timeout_s=10, interval_s=0.001) is True
+    assert gcs.asks == 4
+
+
+def test_a_raylet_that_ended_or_a_gcs_that_fails_leaves_the_wait_to_ray():
+    never = FakeGcs("ab12", alive_from=10**9)
+    assert wait_for_registration(FakeNode(never, raylet_exit_code=1), timeout_s=30) is False
+    assert never.asks == 0  # not asked: the raylet had ended
+    assert (
+        wait_for_registration(FakeNode(FakeGcs("ab12", 1, error=RuntimeError("no GCS"))), timeout_s=30)
+        is False
+    )
+    assert wait_for_registration(FakeNode(never), timeout_s=0.05, interval_s=0.001) is False
+    assert never.asks >= 1
 
 
 def test_the_lean_start_does_not_import_the_dashboards_dependencies():

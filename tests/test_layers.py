@@ -36,8 +36,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("envs",),
     # RL math (advantages, KL, losses); the config tree; device and parallel setup
     ("rl", "config", "platform"),
-    # the two kinds of expected error (bad input, run failure) and the commands' error handler
-    ("errors",),
+    # the two kinds of expected error (bad input, run failure) and the commands' error handler;
+    # a package's names exported from their modules on first use
+    ("errors", "lazy_exports"),
 ]
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "megatron_agent"

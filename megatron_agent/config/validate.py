@@ -195,15 +195,15 @@ def _check_machine(cfg: Config) -> None:
 
     A driver that joins a cluster (`ray.address`) may run on a CPU-only head node: the run checks
     the cluster's GPUs before any worker starts (`check_cluster_gpus`). torch (1 s to import) is
-    asked for a GPU only when a setting needs one and torch is built with a GPU backend."""
+    asked for a GPU only when a setting needs one."""
     if cfg.ray.address:
         return
     try:
         check_cluster_gpus(cfg, num_gpus=0)  # raises when a setting needs a GPU
     except ConfigError:
-        from megatron_agent.platform.accelerator import cuda_available
+        import torch
 
-        if not cuda_available():
+        if not torch.cuda.is_available():
             raise
 
 

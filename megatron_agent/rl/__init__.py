@@ -1,12 +1,12 @@
 """RL core: advantage estimators, KL estimators and controllers, the fp32 masked policy loss,
 loss aggregation, rollout-vs-trainer mismatch, and the step guard. Pure torch.
 
-The names below are imported from their modules on first use (`platform/lazy_exports.py`): the
+The names below are imported from their modules on first use (`megatron_agent/lazy_exports.py`): the
 driver makes its KL controller (`rl.kl_controller`) before its workers start, without torch."""
 
 from __future__ import annotations
 
-from megatron_agent.platform.lazy_exports import lazy_exports
+from megatron_agent.lazy_exports import lazy_exports
 
 _MODULE_OF = {
     "ESTIMATORS": "advantages",

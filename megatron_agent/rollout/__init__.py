@@ -4,13 +4,13 @@ It knows no Megatron: weights come in as `(hf_name, tensor)` pairs through
 `VLLMEngine.update_weights`, trajectories go out as `Trajectory` objects, padded tensors
 (`build_training_batch`) and rollout dumps (`write_rollout_dump`).
 
-The names below are imported from their modules on first use (`platform/lazy_exports.py`): the
+The names below are imported from their modules on first use (`megatron_agent/lazy_exports.py`): the
 driver reads prompts with `rollout.chat` before its workers start, without torch or vLLM.
 """
 
 from __future__ import annotations
 
-from megatron_agent.platform.lazy_exports import lazy_exports
+from megatron_agent.lazy_exports import lazy_exports
 
 _MODULE_OF = {
     "AgentLoop": "agent_loop",

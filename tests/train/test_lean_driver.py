@@ -54,8 +54,7 @@ print(json.dumps("torch" in sys.modules))
 
 def test_nothing_before_rays_start_imports_torch(tmp_path):
     """What `Run` does before Ray begins (config, resume folder, inputs, task files) leaves torch
-    (1 s to import) out; a GPU-only setting is refused (torch is asked only where its build has a
-    GPU backend: `platform/accelerator.py`)."""
+    (1 s to import) out; a GPU-only setting still asks torch, and is refused."""
     assert fresh_python(BEFORE_RAY, tmp_path, timeout=120) is False
     gpu_only = subprocess.run(
         [sys.executable, "-c", BEFORE_RAY, str(tmp_path), "model.fp8=delayed"],

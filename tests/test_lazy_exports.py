@@ -1,4 +1,4 @@
-"""`platform.lazy_exports`: `megatron_agent.rl` and `megatron_agent.rollout` export every name of
+"""`megatron_agent.lazy_exports`: `megatron_agent.rl` and `megatron_agent.rollout` export every name of
 their table from its module on first use, and their light modules import without torch."""
 
 from __future__ import annotations

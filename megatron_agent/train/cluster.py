@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_agent import platform
 from megatron_agent.errors import RunFailure
 from megatron_agent.platform import dashboard_agent_stand_in, setup_worker_stand_in
 
@@ -47,6 +49,8 @@ class WorkerDiedError(WorkerError):
 LEAN_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 DASHBOARD_AGENT_STAND_IN = Path(dashboard_agent_stand_in.__file__)  # the raylet runs it as a script
 SETUP_WORKER_STAND_IN = Path(setup_worker_stand_in.__file__)  # the raylet starts every worker with it
+# the raylet runs it as a script (not imported here: it imports an HTTP server)
+RUNTIME_ENV_AGENT_STAND_IN = Path(platform.__file__).parent / "runtime_env_agent_stand_in.py"
 _local_node = None  # the lean local cluster's node (`start_local_node`), stopped by `stop_ray`
 
 
@@ -184,7 +188,7 @@ def start_local_node(num_cpus: int) -> str | None:
 
                 def start(command, process_type, *more, **options):
                     if process_type == ray_constants.PROCESS_TYPE_RAYLET:
-                        command = with_dashboard_agent_stand_in(command)
+                        command = with_runtime_env_agent_stand_in(with_dashboard_agent_stand_in(command))
                     return start_process(command, process_type, *more, **options)
 
                 services.start_ray_process = start
@@ -271,6 +275,43 @@ def with_dashboard_agent_stand_in(raylet_command: list[str]) -> list[str]:
         f"--dashboard_agent_command={subprocess.list2cmdline(stand_in)}"
         if arg.startswith("--dashboard_agent_command=")
         else arg
+        for arg in raylet_command
+    ]
+
+
+def with_runtime_env_agent_stand_in(raylet_command: list[str]) -> list[str]:
+    """The raylet's command line with `platform/runtime_env_agent_stand_in.py` as its runtime-env
+    agent, on the address and port Ray's agent would take and writing the port file the raylet
+    waits for; unchanged where this Ray's raylet or agent takes other flags (Ray's own agent then
+    starts)."""
+    try:
+        from ray._raylet import RUNTIME_ENV_AGENT_PORT_NAME, get_port_filename
+    except ImportError:
+        return raylet_command
+    agent = next((a for a in raylet_command if a.startswith("--runtime_env_agent_command=")), None)
+    if agent is None:
+        return raylet_command
+    try:
+        words = shlex.split(agent.split("=", 1)[1])
+    except ValueError:
+        return raylet_command
+    flags = dict(a[2:].split("=", 1) for a in words if a.startswith("--") and "=" in a)
+    if not {"node-id", "node-ip-address", "runtime-env-agent-port", "session-dir"} <= flags.keys():
+        return raylet_command
+    port_file = os.path.join(
+        flags["session-dir"], get_port_filename(flags["node-id"], RUNTIME_ENV_AGENT_PORT_NAME)
+    )
+    stand_in = [
+        sys.executable,
+        "-S",
+        "-I",
+        str(RUNTIME_ENV_AGENT_STAND_IN),
+        flags["node-ip-address"],
+        flags["runtime-env-agent-port"],
+        port_file,
+    ]
+    return [
+        f"--runtime_env_agent_command={subprocess.list2cmdline(stand_in)}" if arg is agent else arg
         for arg in raylet_command
     ]
 

@@ -1,7 +1,8 @@
 """The lean local Ray cluster (`start_ray`: no log monitor, no autoscaler monitor, no prestarted
-idle workers, no dashboard, a stand-in for the dashboard agent, workers started through the
-setup-worker stand-in) serves every Ray feature a run uses: actors with their
-own environment variables, placement groups, the object store, `ray.wait` with a timeout, death
+idle workers, no dashboard, stand-ins for the dashboard agent and the runtime-env agent, workers
+started through the setup-worker stand-in) serves every Ray feature a run uses: actors with their
+own environment variables (and a runtime environment it does not serve is refused, named),
+placement groups, the object store, `ray.wait` with a timeout, death
 detection and replacement, `ray.kill`, the node's address; and `stop_ray` leaves no Ray process.
 
 The tests share one cluster, in file order; the last one stops it.
@@ -30,10 +31,10 @@ from tests.conftest import fresh_python
 
 # Processes Ray starts: its binaries (gcs_server, raylet), its Python processes (under .../ray/:
 # the dashboard, its agents, the monitors, workers before they rename themselves), its workers
-# ("ray::<class>", "ray::IDLE"), the raylet's dashboard-agent stand-in, and a worker still in the
+# ("ray::<class>", "ray::IDLE"), the raylet's agent stand-ins, and a worker still in the
 # setup-worker stand-in.
 RAY_PROCESS = re.compile(
-    r"ray::|/ray/|\bgcs_server\b|\braylet\b|dashboard_agent_stand_in|setup_worker_stand_in"
+    r"ray::|/ray/|\bgcs_server\b|\braylet\b|dashboard_agent_stand_in|runtime_env_agent_stand_in|setup_worker_stand_in"
 )
 
 
@@ -147,21 +148,21 @@ def _no_monitors_or_idle_workers(processes: dict[int, str]) -> None:
     )
     assert not [c for c in commands if c.startswith("ray::IDLE")], commands
     # No dashboard head (Ray starts one even with include_dashboard=False), and the raylet's
-    # dashboard agent is the stand-in; the runtime-env agent stays (actors' variables need it).
+    # two agents are the stand-ins.
     assert not [c for c in commands if "dashboard/dashboard.py" in c], commands
     assert not [c for c in commands if "dashboard/agent.py" in c], commands
+    assert not [c for c in commands if "runtime_env/agent/main.py" in c], commands
 
 
 def test_the_lean_node_starts_no_monitors_and_no_idle_workers(lean):
     commands = list(lean["at_start"].values())
     assert any("gcs_server" in c for c in commands) and any("raylet" in c for c in commands), commands
     _no_monitors_or_idle_workers(lean["at_start"])
-    (stand_in,) = [  # the raylet's own command line names it too
-        pid
-        for pid, c in lean["at_start"].items()
-        if "dashboard_agent_stand_in.py" in c and "raylet_socket" not in c
-    ]
-    assert psutil.Process(stand_in).memory_info().rss < 30 * 2**20
+    for agent in ("dashboard_agent_stand_in.py", "runtime_env_agent_stand_in.py"):
+        (stand_in,) = [  # the raylet's own command line names it too
+            pid for pid, c in lean["at_start"].items() if agent in c and "raylet_socket" not in c
+        ]
+        assert psutil.Process(stand_in).memory_info().rss < 30 * 2**20
     (raylet,) = [c for c in commands if "raylet_socket" in c]  # it starts its workers with the stand-in
     assert re.search(r"--python_worker_command=\S*python\S* \S*/setup_worker_stand_in\.py ", raylet), raylet
     assert "workers/setup_worker.py" not in raylet
@@ -177,6 +178,15 @@ def test_actors_get_their_own_environment_variables(lean, make_group):
     # the cluster's own variables too, and the run token the reaper finds the run's processes by
     assert first.call("env", "PYTHONUNBUFFERED") == ["1", "1"]
     assert current_token() and second.call("env", "MEGATRON_AGENT_RUN_TOKEN") == [current_token()]
+
+
+def test_a_runtime_environment_beyond_variables_is_refused_naming_its_field(lean):
+    import ray
+
+    probe = ray.remote(num_cpus=0)(Probe).options(runtime_env={"pip": ["not-installed-anywhere"]})
+    actor = probe.remote(0, 1, str(lean["log_dir"] / "pip.log"))
+    with pytest.raises(ray.exceptions.RuntimeEnvSetupError, match=r"\['pip'\].*lean local Ray cluster"):
+        ray.get(actor.pid.remote(), timeout=60)
 
 
 def test_a_placement_group_places_its_workers(lean, make_group):

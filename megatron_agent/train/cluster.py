@@ -46,7 +46,16 @@ class WorkerDiedError(WorkerError):
 # A local run has no use for Ray's idle-worker prestart (its actors bring their own environment
 # variables, so a prestarted default worker is never reused), its log monitor (worker output goes
 # to the run's log files, `log_to_driver=False`) or its autoscaler monitor (one node, no scaling).
-LEAN_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+LEAN_SYSTEM_CONFIG = {
+    "enable_worker_prestart": False,
+    "prestart_worker_first_driver": False,
+    # The raylet connects to the object store it has just started on a thread, and a process to
+    # a socket, retrying after this long: Ray's 1000 ms made a loaded machine's node start 1 s
+    # late whenever the store was not listening yet at the first try. The same budget (10 s),
+    # tried every 20 ms.
+    "raylet_client_connect_timeout_milliseconds": 20,
+    "raylet_client_num_connect_attempts": 500,
+}
 DASHBOARD_AGENT_STAND_IN = Path(dashboard_agent_stand_in.__file__)  # the raylet runs it as a script
 SETUP_WORKER_STAND_IN = Path(setup_worker_stand_in.__file__)  # the raylet starts every worker with it
 # the raylet runs it as a script (not imported here: it imports an HTTP server)

@@ -157,9 +157,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # the raylet's client keeps its connection
 
     def do_POST(self):  # noqa: N802 - http.server's name
-        length = int(self.headers.get("Content-Length") or 0)
         try:
-            reply = answer(self.path, self.rfile.read(length))
+            reply = answer(self.path, self.read_body())
         except ValueError as exc:
             self.send_error(400, f"not a protobuf message: {exc}")
             return
@@ -171,6 +170,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(reply)))
         self.end_headers()
         self.wfile.write(reply)
+
+    def read_body(self) -> bytes:
+        """The request's body, sent with a length or in chunks."""
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            body = bytearray()
+            while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                body += self.rfile.read(size)
+                self.rfile.readline()  # the chunk's CRLF
+            while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+                pass
+            return bytes(body)
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
     def log_message(self, *args):
         """Quiet: the raylet logs its own requests."""

@@ -141,6 +141,13 @@ def test_the_stand_in_serves_on_the_port_it_writes_and_ends_with_its_parent(tmp_
         assert response.status == 200 and json.loads(reply.serialized_runtime_env_context)["env_vars"] == {
             "A": "b"
         }
+    # a body sent in chunks is read whole (not taken for an empty runtime environment)
+    connection.request(
+        "POST", "/get_or_create_runtime_env", body=iter([body[:7], body[7:]]), encode_chunked=True
+    )
+    reply = pb.GetOrCreateRuntimeEnvReply()
+    reply.ParseFromString(connection.getresponse().read())
+    assert json.loads(reply.serialized_runtime_env_context)["env_vars"] == {"A": "b"}
     connection.request("POST", "/get_or_create_runtime_env", body=b"\x0a\x05ab")
     assert connection.getresponse().status == 400
     assert stand_in.memory_info().rss < 30 * 2**20

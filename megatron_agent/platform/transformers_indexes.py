@@ -152,9 +152,10 @@ def _digest(parts: list) -> str:
 
 
 def _distributions_key() -> str | None:
-    """What `packages_distributions()` reads, as a digest."""
-    paths = [p for p in sys.path if isinstance(p, str)]
-    return _digest(["distributions", list(sys.version_info[:2]), [(p, _mtime(p or ".")) for p in paths]])
+    """What `packages_distributions()` reads, as a digest: the folders of `sys.path` ('' and a
+    relative entry are the current folder's, so taken absolute) and their times."""
+    folders = [os.path.abspath(p or ".") for p in sys.path if isinstance(p, str)]
+    return _digest(["distributions", list(sys.version_info[:2]), [(f, _mtime(f)) for f in folders]])
 
 
 def _structure_key(module_path, prefix, models: Path, module_file: str) -> str | None:

@@ -142,11 +142,21 @@ def test_the_distributions_are_read_back_until_a_path_folder_changes(tmp_path, m
             assert importlib.metadata.packages_distributions() == {"numpy": ["numpy"], "yaml": ["PyYAML"]}
         assert importlib.metadata.packages_distributions is packages_distributions  # restored
     assert len(calls) == 1
+    # '' in sys.path is the current folder: another current folder is another key, even with the
+    # same modification time
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    for name in ("here", "there"):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, ns=(0, 10**18))
+        monkeypatch.chdir(tmp_path / name)
+        with ti._cached_packages_distributions():
+            importlib.metadata.packages_distributions()
+    assert len(calls) == 3
     (site / "new_package-1.0.dist-info").mkdir()  # an install
     os.utime(site, ns=(0, os.stat(site).st_mtime_ns + 1))  # whatever the clock's resolution
     with ti._cached_packages_distributions():
         importlib.metadata.packages_distributions()
-    assert len(calls) == 2
+    assert len(calls) == 4
 
 
 def test_install_does_nothing_when_off_or_too_late(monkeypatch):

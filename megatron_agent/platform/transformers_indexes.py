@@ -18,7 +18,7 @@ JSON files in the per-user cache (`platform/user_cache.py`) when their keys matc
 and records them otherwise. A key is everything the answer is a function of, as seen from the file
 system:
 
-- distributions: the Python version, `sys.path` and the modification time of each of its
+- distributions: the Python version, `sys.path` (absolute) and the modification time of each of its
   folders (installing, upgrading or removing a distribution adds or removes a `*.dist-info`
   folder in one of them);
 - the import structure: the Python version, the argument, transformers' `import_utils.py` (its

@@ -10,6 +10,7 @@ import os
 import struct
 import sys
 import termios
+import time
 
 import pytest
 
@@ -114,7 +115,7 @@ def test_header_repeats_and_bad_input_is_named(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 4, 6]
 
 
-def test_plot_is_a_real_png_redrawn_every_step(tmp_path):
+def test_plot_is_a_real_png_with_the_last_step_once_flushed(tmp_path):
     import matplotlib.image
 
     log = RunLogger(tmp_path, LoggingConfig(plot=True), stream=io.StringIO())
@@ -132,6 +133,32 @@ def test_plot_is_a_real_png_redrawn_every_step(tmp_path):
     log.close()
     assert png.read_bytes() != first
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_plotter_keeps_to_its_share_of_a_core_and_a_flush_draws_the_last_rows(tmp_path, monkeypatch):
+    import megatron_agent.train.plot as plot
+
+    drawn = []
+
+    def slow_plot(rows, path, title=""):
+        time.sleep(0.05)  # a redraw of 0.05 s: at 2%, the next no sooner than 2.45 s later
+        drawn.append((time.monotonic(), rows[-1]["step"]))
+
+    monkeypatch.setattr(plot, "plot_metrics", slow_plot)
+    plotter = plot.BackgroundPlotter(tmp_path / "m.png", max_share=0.02)
+    for step in range(60):  # a step every 20 ms for 1.2 s: one redraw, at the first step
+        plotter.submit([{"step": step}])
+        time.sleep(0.02)
+    assert len(drawn) == 1 and drawn[0][1] <= 5, drawn
+    flushed_at = time.monotonic()
+    plotter.wait()  # the last rows now, not 2.45 s after the first redraw
+    assert len(drawn) == 2 and drawn[1][1] == 59 and drawn[1][0] - flushed_at < 1.0, drawn
+    assert plotter.num_redraws == 2
+    plotter.submit([{"step": 60}])
+    plotter.close()  # closing draws what is pending, too
+    assert [step for _, step in drawn][1:] == [59, 60]
+    with pytest.raises(ValueError, match="max_share"):
+        plot.BackgroundPlotter(tmp_path / "x.png", max_share=0)
 
 
 def _tb_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -37,6 +40,9 @@ class _EngineActor:
 
     def recorded(self):
         return self.receiver.engine.tensors
+
+    def pid(self):
+        return os.getpid()
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +100,11 @@ def test_ray_endpoint(ray_actor):
         ep.call("sleep", 30).result(1)
     assert time.perf_counter() - t0 < 10
 
+    pid = ray.get(ray_actor.pid.remote())
     ray.kill(ray_actor)
+    # ray.kill returns before the actor is gone, and a call that reaches it first is answered (the
+    # actor has a free slot beside its 'sleep'): the call is made once its process has ended
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(pid).wait(timeout=60)
     with pytest.raises(SyncError, match="engine actor died during 'ping'"):
         ep.call("ping").result(60)

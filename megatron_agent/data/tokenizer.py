@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import os
-import tempfile
 from pathlib import Path
 
-from megatron_agent.platform.user_cache import cache_dir
+from megatron_agent.platform.user_cache import cache_dir, read_json, write_json
 
 _CACHE_FILE = "tokenizer_classes.json"
 _MAX_ENTRIES = 256  # the oldest choices are dropped beyond this
@@ -77,10 +75,7 @@ def _class_name(cls: type) -> str | None:
 
 
 def _read_cache() -> dict[str, str]:
-    try:
-        entries = json.loads((cache_dir() / _CACHE_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
+    entries = read_json(cache_dir() / _CACHE_FILE)
     return entries if isinstance(entries, dict) else {}
 
 
@@ -109,14 +104,4 @@ def _record(key: str, cls: type) -> None:
     entries.pop(key, None)
     entries[key] = name
     entries = dict(list(entries.items())[-_MAX_ENTRIES:])
-    folder = cache_dir()
-    tmp = None
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tokenizer_classes.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f, indent=0)
-        os.replace(tmp, folder / _CACHE_FILE)
-    except OSError:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+    write_json(cache_dir() / _CACHE_FILE, entries, indent=0)

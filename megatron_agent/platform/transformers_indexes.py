@@ -39,7 +39,7 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_agent.platform.user_cache import cache_dir
+from megatron_agent.platform.user_cache import cache_dir, read_json, write_json
 
 OFF_ENV = "MEGATRON_AGENT_TRANSFORMERS_INDEXES"
 TARGET = "transformers.utils.import_utils"
@@ -188,38 +188,19 @@ def _structure_key(module_path, prefix, models: Path, module_file: str) -> str |
 # ----------------------------------------------------------------------------- the files
 def _read(key: str):
     """The JSON value stored under `key`; None when absent or unreadable."""
-    import json
-
-    try:
-        return json.loads((cache_dir() / _FOLDER / f"{key}.json").read_text())
-    except (OSError, ValueError):
-        return None
+    return read_json(cache_dir() / _FOLDER / f"{key}.json")
 
 
 def _write(key: str, value) -> None:
-    """Store `value` under `key`, written whole and atomically, the oldest files beyond
-    `_MAX_FILES` removed; nothing when the folder cannot be written (it only saves time)."""
-    import json
-    import tempfile
-
+    """Store `value` under `key` (`user_cache.write_json`), the oldest files beyond `_MAX_FILES`
+    removed; nothing when the folder cannot be written (it only saves time)."""
     folder = cache_dir() / _FOLDER
-    tmp = None
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f)
-        os.replace(tmp, folder / f"{key}.json")
-        tmp = None
+    if not write_json(folder / f"{key}.json", value):
+        return
+    with contextlib.suppress(OSError):
         files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)
         for old in files[:-_MAX_FILES]:
             old.unlink(missing_ok=True)
-    except OSError:
-        pass
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def _is_mapping(value) -> bool:

@@ -24,7 +24,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_agent import platform
 from megatron_agent.errors import RunFailure
 from megatron_agent.platform import dashboard_agent_stand_in, setup_worker_stand_in
 
@@ -59,7 +58,7 @@ LEAN_SYSTEM_CONFIG = {
 DASHBOARD_AGENT_STAND_IN = Path(dashboard_agent_stand_in.__file__)  # the raylet runs it as a script
 SETUP_WORKER_STAND_IN = Path(setup_worker_stand_in.__file__)  # the raylet starts every worker with it
 # the raylet runs it as a script (not imported here: it imports an HTTP server)
-RUNTIME_ENV_AGENT_STAND_IN = Path(platform.__file__).parent / "runtime_env_agent_stand_in.py"
+RUNTIME_ENV_AGENT_STAND_IN = DASHBOARD_AGENT_STAND_IN.with_name("runtime_env_agent_stand_in.py")
 _local_node = None  # the lean local cluster's node (`start_local_node`), stopped by `stop_ray`
 
 
@@ -274,20 +273,14 @@ def with_dashboard_agent_stand_in(raylet_command: list[str]) -> list[str]:
         )
     except ImportError:
         return raylet_command
-    flags = dict(arg[2:].split("=", 1) for arg in raylet_command if arg.startswith("--") and "=" in arg)
+    flags = _flags(raylet_command)
     if not {"node_id", "session_dir", "dashboard_agent_command"} <= flags.keys():
         return raylet_command
     port_files = [
         os.path.join(flags["session_dir"], get_port_filename(flags["node_id"], name))
         for name in (METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME, DASHBOARD_AGENT_LISTEN_PORT_NAME)
     ]
-    stand_in = [sys.executable, "-S", "-I", str(DASHBOARD_AGENT_STAND_IN), *port_files]
-    return [
-        f"--dashboard_agent_command={subprocess.list2cmdline(stand_in)}"
-        if arg.startswith("--dashboard_agent_command=")
-        else arg
-        for arg in raylet_command
-    ]
+    return _with_agent(raylet_command, "dashboard_agent_command", DASHBOARD_AGENT_STAND_IN, port_files)
 
 
 def with_runtime_env_agent_stand_in(raylet_command: list[str]) -> list[str]:
@@ -299,32 +292,31 @@ def with_runtime_env_agent_stand_in(raylet_command: list[str]) -> list[str]:
         from ray._raylet import RUNTIME_ENV_AGENT_PORT_NAME, get_port_filename
     except ImportError:
         return raylet_command
-    agent = next((a for a in raylet_command if a.startswith("--runtime_env_agent_command=")), None)
-    if agent is None:
-        return raylet_command
+    agent = _flags(raylet_command).get("runtime_env_agent_command")
     try:
-        words = shlex.split(agent.split("=", 1)[1])
-    except ValueError:
+        flags = _flags(shlex.split(agent)) if agent else {}
+    except ValueError:  # not a command line shlex reads
         return raylet_command
-    flags = dict(a[2:].split("=", 1) for a in words if a.startswith("--") and "=" in a)
     if not {"node-id", "node-ip-address", "runtime-env-agent-port", "session-dir"} <= flags.keys():
         return raylet_command
     port_file = os.path.join(
         flags["session-dir"], get_port_filename(flags["node-id"], RUNTIME_ENV_AGENT_PORT_NAME)
     )
-    stand_in = [
-        sys.executable,
-        "-S",
-        "-I",
-        str(RUNTIME_ENV_AGENT_STAND_IN),
-        flags["node-ip-address"],
-        flags["runtime-env-agent-port"],
-        port_file,
-    ]
-    return [
-        f"--runtime_env_agent_command={subprocess.list2cmdline(stand_in)}" if arg is agent else arg
-        for arg in raylet_command
-    ]
+    address = [flags["node-ip-address"], flags["runtime-env-agent-port"], port_file]
+    return _with_agent(raylet_command, "runtime_env_agent_command", RUNTIME_ENV_AGENT_STAND_IN, address)
+
+
+def _flags(words: list[str]) -> dict[str, str]:
+    """The `--name=value` words of a command line as {name: value}."""
+    return dict(word[2:].split("=", 1) for word in words if word.startswith("--") and "=" in word)
+
+
+def _with_agent(raylet_command: list[str], flag: str, script: Path, args: list[str]) -> list[str]:
+    """The raylet's command line with its `--{flag}=` agent command replaced by `script` run with
+    `args` in an isolated Python (`-S -I`: the stand-ins use the standard library only)."""
+    agent = subprocess.list2cmdline([sys.executable, "-S", "-I", str(script), *args])
+    prefix = f"--{flag}="
+    return [prefix + agent if arg.startswith(prefix) else arg for arg in raylet_command]
 
 
 def stop_ray() -> None:

@@ -1,12 +1,14 @@
 """Synchronous vs asynchronous RL on the quickstart with a long-tailed tool, measured side by side.
 
-    .venv/bin/python bench/async.py [--steps 12] [--etas 1 2] [--rounds 1] [--out docs/async_curves.png] [key=value ...]
+    .venv/bin/python bench/async.py [--steps 12] [--etas 1 2] [--rounds 1] [--tool-seed 0] [--out docs/async_curves.png] [key=value ...]
 
 One SFT warm start (the quickstart's, `sft` command) is shared by every run; then the quickstart's
 RL runs from it (`trainer.init_from`) three times in turn: `trainer.mode=sync` (the default loss,
 what a user runs today), and `trainer.mode=async` with `algorithm.off_policy_loss=decoupled` at
 each eta of `--etas`. Tool calls take a heavy-tailed time (bench/slow_tools.py: log-normal,
-median 20 ms). Per run, over its RL steps:
+median 20 ms), drawn from one seed for every mode of a round (`--tool-seed`, plus the round's
+index): the modes of a round meet the same sequence of delays, the rounds different ones. Per
+run, over its RL steps:
 
     tokens/s       trained tokens (prompt + response) per second of step time
     engine idle    share of step time the engines did not generate (sync: outside `gen`;
@@ -17,8 +19,8 @@ median 20 ms). Per run, over its RL steps:
 
 The last line: `speedup_eta1=X speedup_eta2=Y steps_ratio_eta1=Z` (async tokens/s over sync's,
 and async's steps to 0.9 over sync's; with `--rounds N`, the median over N rounds, each running
-every mode in turn: the tool's random latency makes one sync run's step time vary by tens of
-percent). `--out` draws the last round's validation curves into one PNG.
+every mode in turn: a sync run's generation waits for its batch's slowest tool call, so its step
+time moves by tens of percent with the round's delays). `--out` draws the last round's validation curves into one PNG.
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = "examples/quickstart/config.yaml"
 
 
-def run(cmd: list[str]) -> None:
-    """Run a CLI command in the repository; raise with its tail on failure."""
+def run(cmd: list[str], tool_seed: int | None = None) -> None:
+    """Run a CLI command in the repository; raise with its tail on failure. `tool_seed`: the
+    slow tool's latency seed (bench/slow_tools.py), the same for every mode of a round."""
     env = dict(os.environ, PYTHONPATH=str(REPO))  # the workers load bench.slow_tools
+    if tool_seed is not None:
+        env["BENCH_TOOL_LATENCY_SEED"] = str(tool_seed)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -79,6 +84,7 @@ def main() -> None:
     p.add_argument("--etas", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=1, help="runs of every mode, in turn (ratios: median)")
     p.add_argument("--out", default="")
+    p.add_argument("--tool-seed", type=int, default=0, help="latency seed of round 1 (round k: + k - 1)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     py = sys.executable
@@ -109,7 +115,7 @@ def main() -> None:
             for name, extra in modes.items():
                 run_dir = Path(tmp) / f"{name}_{k}"
                 base = [py, "-m", "megatron_agent", "train", "--config", CONFIG, f"trainer.run_dir={run_dir}"]
-                run(base + common + init + extra)
+                run(base + common + init + extra, tool_seed=args.tool_seed + k)
                 results[name] = figures(run_dir, "sync" if name == "sync" else "async")
             rounds.append(results)
             report(results, f"round {k + 1} of {args.rounds}")

@@ -3,18 +3,25 @@ rollout workers: `tools.enabled=[bench.slow_tools.SlowCalculator]`).
 
 Each call sleeps a log-normal time, median 20 ms and sigma 1.5 (about one call in 50 takes over
 0.5 s, the slowest ones seconds): the long tail that agent rollouts meet with real tools.
+
+`BENCH_TOOL_LATENCY_SEED` (an integer) seeds the delays: the n-th call of an engine's process then
+sleeps the n-th draw of that seed, so runs compared side by side meet the same tail (common random
+numbers: the ratio of two runs no longer depends on which of them drew a multi-second call).
+Unset: an unseeded generator.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 
 from megatron_agent.envs.tools.calculator import Calculator
 
 MEDIAN_S, SIGMA = 0.020, 1.5
-_rng = random.Random()  # unseeded: tool latency is not part of a run's reproducible state
+_seed = os.environ.get("BENCH_TOOL_LATENCY_SEED")
+_rng = random.Random(None if _seed is None else int(_seed))  # not a run's state: only the benchmark seeds it
 
 
 class SlowCalculator(Calculator):

@@ -284,3 +284,25 @@ def test_tree_memory_counts_a_grandchild_s_memory():
     assert metrics["perf/peak_rss_sum_gb"] - rss_before / 1e9 >= 0.15, (rss_before, metrics)
     assert metrics["perf/peak_pss_sum_gb"] - pss_before / 1e9 >= 0.15, (pss_before, metrics)
     assert metrics["perf/peak_processes"] >= 3
+
+
+def test_tree_memory_reads_the_costly_pss_only_at_new_peaks_when_due_and_at_the_end():
+    from megatron_agent.platform.tree_memory import TreeMemory
+
+    memory = TreeMemory(interval_s=3600, pss_interval_s=0.3)  # sampled by hand below
+    memory.sample()  # the first: PSS read
+    for _ in range(5):  # the same tree, no new peak, not due: RSS only
+        memory.sample()
+    assert (memory.num_samples, memory.num_pss_reads) == (6, 1)
+    peak_pss = memory.peak_pss
+    assert peak_pss > 0
+    block = bytearray(100 << 20)  # a new RSS peak: PSS read at once
+    block[::4096] = b"x" * len(block[::4096])  # touch every page
+    memory.sample()
+    assert memory.num_pss_reads == 2 and memory.peak_pss >= peak_pss + 90e6
+    del block
+    time.sleep(0.35)  # due
+    memory.sample()
+    assert memory.num_pss_reads == 3
+    memory.sample(pss=True)  # the last sample (`stop`) always reads it
+    assert (memory.num_samples, memory.num_pss_reads) == (9, 4)

@@ -20,7 +20,8 @@ run, over its RL steps:
 The last line: `speedup_eta1=X speedup_eta2=Y steps_ratio_eta1=Z` (async tokens/s over sync's,
 and async's steps to 0.9 over sync's; with `--rounds N`, the median over N rounds, each running
 every mode in turn: a sync run's generation waits for its batch's slowest tool call, so its step
-time moves by tens of percent with the round's delays). `--out` draws the last round's validation curves into one PNG.
+time moves by tens of percent with the round's delays). `--out` draws the last round's validation
+curves into one PNG.
 """
 
 from __future__ import annotations

@@ -60,11 +60,16 @@ def tree_rss(processes: list[psutil.Process]) -> tuple[int, list[psutil.Process]
     return rss, alive
 
 
+def tree_pss(processes: list[psutil.Process]) -> int:
+    """PSS summed over `processes` (the costly read: a page-table walk each)."""
+    return sum(pss_bytes(p) for p in processes)
+
+
 def tree_usage(root: psutil.Process | None = None) -> tuple[int, int, int]:
     """(RSS summed, PSS summed, number of processes) of `root` (default: this process) and its
     descendants; processes that end while being read are left out."""
     rss, alive = tree_rss(tree_processes(root))
-    return rss, sum(pss_bytes(p) for p in alive), len(alive)
+    return rss, tree_pss(alive), len(alive)
 
 
 class TreeMemory:
@@ -106,7 +111,7 @@ class TreeMemory:
         self.peak_rss = max(self.peak_rss, rss)
         self.peak_processes = max(self.peak_processes, len(alive))
         if pss:
-            self.peak_pss = max(self.peak_pss, sum(pss_bytes(p) for p in alive))
+            self.peak_pss = max(self.peak_pss, tree_pss(alive))
             self.num_pss_reads += 1
             self._last_pss_at = now
 

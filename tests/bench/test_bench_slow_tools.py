@@ -13,7 +13,7 @@ import bench.slow_tools as slow
 delays = []
 async def record(seconds):
     delays.append(seconds)
-slow.asyncio.sleep = record  # the module's sleep: recorded, not slept
+slow.asyncio.sleep = record  # asyncio's sleep in this probe process: recorded, not slept
 tool = slow.SlowCalculator()
 answers = [asyncio.run(tool.call(expression=f"{i} * 3")) for i in range(200)]
 print(json.dumps({"delays": delays, "answers": answers}))

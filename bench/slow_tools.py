@@ -20,8 +20,21 @@ import random
 from megatron_agent.envs.tools.calculator import Calculator
 
 MEDIAN_S, SIGMA = 0.020, 1.5
-_seed = os.environ.get("BENCH_TOOL_LATENCY_SEED")
-_rng = random.Random(None if _seed is None else int(_seed))  # not a run's state: only the benchmark seeds it
+
+
+def _latency_rng() -> random.Random:
+    """The delays' generator: seeded by `BENCH_TOOL_LATENCY_SEED` when it is set (not a run's
+    state: only the benchmark sets it)."""
+    seed = os.environ.get("BENCH_TOOL_LATENCY_SEED")
+    if seed is None:
+        return random.Random()
+    try:
+        return random.Random(int(seed))
+    except ValueError:
+        raise ValueError(f"BENCH_TOOL_LATENCY_SEED={seed!r} is not an integer") from None
+
+
+_rng = _latency_rng()
 
 
 class SlowCalculator(Calculator):

@@ -4,7 +4,11 @@ tail), another sequence under another seed, and it still answers as the calculat
 
 from __future__ import annotations
 
-from tests.conftest import fresh_python
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO, fresh_python
 
 PROBE = r"""
 import asyncio, json
@@ -37,3 +41,14 @@ def test_one_seed_gives_every_process_the_same_delays_and_another_seed_others():
 
 def test_without_a_seed_the_delays_differ_between_processes():
     assert _draw(None)["delays"] != _draw(None)["delays"]
+
+
+def test_a_seed_that_is_not_an_integer_is_named():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import bench.slow_tools"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": ".", "BENCH_TOOL_LATENCY_SEED": "ten"},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0 and "BENCH_TOOL_LATENCY_SEED='ten' is not an integer" in proc.stderr

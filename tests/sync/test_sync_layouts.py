@@ -16,7 +16,8 @@ import torch
 from tests.conftest import REPO
 from tests.sync.conftest import EXPORT_LAYOUT, LAYOUT_MODELS, SMALL_BUCKETS
 
-# The launch (5 layouts, 4 engines) takes about 4 minutes on a lightly loaded 2-core machine.
+# The launch (5 layouts, 4 engines) takes 60-80 s on a 2-core machine (once about 4 minutes); the
+# timeout leaves room for a loaded one.
 pytestmark = pytest.mark.timeout(2400)
 
 

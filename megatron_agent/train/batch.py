@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from megatron_agent.rollout.trajectory import Trajectory, build_training_batch
@@ -58,6 +59,31 @@ class RLBatch:
         """Store a [B, T] tensor as per-sequence rows of each sequence's target count."""
         self.tensors[key] = [values_BT[b, : len(s) - 1].float().clone() for b, s in enumerate(self.sequences)]
 
+    def __getstate__(self) -> dict:
+        """What pickling sends (`ray.put` to every Megatron rank): the rows of each tensor name as
+        one numpy array, not as hundreds of tensors.
+
+        megatron-core replaces `torch.storage._load_from_bytes`, so a rank reads every pickled
+        tensor through `torch.load`'s weights-only unpickler, written in Python: 53 ms for a
+        quickstart batch of 64 sequences (448 rows), and 17 ms to pickle them, against 3 ms and
+        1 ms as arrays, on every rank, every step. Rows that numpy cannot hold exactly (bfloat16,
+        mixed dtypes) stay tensors. Values, dtypes and shapes come back exactly (`__setstate__`)."""
+        state = dict(self.__dict__)
+        state["rewards"] = _pack_rows([self.rewards]) or self.rewards
+        state["tensors"] = {k: _pack_rows(rows) or rows for k, rows in self.tensors.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Undo `__getstate__`: tensors of their own again (Ray's arrays are read-only)."""
+        state = dict(state)
+        rewards = state["rewards"]
+        state["rewards"] = _unpack_rows(rewards)[0] if isinstance(rewards, PackedRows) else rewards
+        state["tensors"] = {
+            k: _unpack_rows(rows) if isinstance(rows, PackedRows) else rows
+            for k, rows in state["tensors"].items()
+        }
+        self.__dict__.update(state)
+
     def select(self, indices: list[int]) -> RLBatch:
         """The sub-batch of `indices` (in that order)."""
         return RLBatch(
@@ -67,6 +93,36 @@ class RLBatch:
             rewards=self.rewards[indices],
             tensors={k: [v[i] for i in indices] for k, v in self.tensors.items()},
         )
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Rows of one dtype as one flat numpy array and their shapes (`RLBatch.__getstate__`)."""
+
+    flat: np.ndarray
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def _pack_rows(rows: list[torch.Tensor]) -> PackedRows | None:
+    """`rows` as a `PackedRows`, or None where they cannot go exactly through numpy (no rows,
+    another device, mixed dtypes, a dtype numpy lacks such as bfloat16, a row that needs grad)."""
+    if not rows or not all(isinstance(r, torch.Tensor) for r in rows):
+        return None
+    dtype = rows[0].dtype
+    if any(r.dtype != dtype or r.device.type != "cpu" or r.requires_grad for r in rows):
+        return None
+    try:
+        flat = torch.cat([r.reshape(-1) for r in rows]).numpy()
+    except TypeError:  # no numpy dtype (bfloat16, ...)
+        return None
+    return PackedRows(flat, tuple(tuple(r.shape) for r in rows))
+
+
+def _unpack_rows(packed: PackedRows) -> list[torch.Tensor]:
+    """The rows of `packed`, each a tensor with storage of its own."""
+    flat = torch.from_numpy(np.array(packed.flat))  # a writable copy
+    sizes = [int(np.prod(shape)) for shape in packed.shapes]
+    return [part.reshape(shape).clone() for part, shape in zip(flat.split(sizes), packed.shapes)]
 
 
 def batch_from_trajectories(

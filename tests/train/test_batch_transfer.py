@@ -8,6 +8,7 @@ one process, with the buffers made read-only as Ray's are.
 from __future__ import annotations
 
 import pickle
+import sys
 
 import pytest
 import torch
@@ -79,7 +80,11 @@ def test_no_tensor_storage_is_unpickled(monkeypatch):
 
     batch = _batch()
     sent, rows_sent = _ray_pickle(batch), _ray_pickle(batch.tensors["advantages"])
-    monkeypatch.setattr(torch.storage, "_load_from_bytes", refuse)  # unpickling finds it by name
+    # Unpickling finds the loader by the name pickling recorded: torch's, or megatron-core's own
+    # once megatron-core was imported in this process (by an earlier test).
+    loader = torch.storage._load_from_bytes
+    monkeypatch.setattr(torch.storage, "_load_from_bytes", refuse)
+    monkeypatch.setattr(sys.modules[loader.__module__], loader.__qualname__, refuse)
     _assert_same(batch, _ray_unpickle(*sent))
     with pytest.raises(AssertionError, match="storage was unpickled"):
         _ray_unpickle(*rows_sent)  # the rows as tensors would call it

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from megatron_agent.platform.cgroup_paths import cgroup_mounts, own_cgroups
 
 CONTROLLERS = ("memory", "pids")
 _counter = itertools.count()
+_swept: set[frozenset[Path]] = set()  # where `remove_orphans` ran in this process
+_CALL_NAME = re.compile(r"ma_python_(\d+)_\d+")  # a call's cgroup: its owner's pid, a counter
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,44 @@ def support() -> Support | None:
     return None
 
 
+def remove_orphans(where: Support | None = None) -> list[str]:
+    """Remove the call cgroups whose owner has died, killing what is still in them; return their
+    names.
+
+    A process killed while its calls ran (SIGKILL, the OOM killer) never closed their cgroups:
+    they stayed under the job's cgroup, one per call, empty folders or with a call's processes
+    still in them. A call's cgroup is named after its owner's pid; one whose pid no longer exists
+    is an orphan (a pid reused by another process keeps its folders until that process ends).
+    `CallCgroup` runs this once per process and place, before its first call there."""
+    where = where or support()
+    if where is None:
+        return []
+    found: dict[str, list[Path]] = {}
+    for parent in set(where.parents.values()):
+        try:
+            entries = list(parent.iterdir())
+        except OSError:
+            continue
+        for folder in entries:
+            match = _CALL_NAME.fullmatch(folder.name)
+            if match and folder.is_dir() and not _alive(int(match.group(1))):
+                found.setdefault(folder.name, []).append(folder)
+    for name, dirs in found.items():
+        kill_file = where.parents["memory"] / name / "cgroup.kill" if where.version == 2 else None
+        _kill_and_remove(sorted(dirs), kill_file)
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class CallCgroup:
     """The cgroup(s) of one call: `memory_bytes` for all its memory, at most `max_pids` tasks.
 
@@ -90,6 +131,10 @@ class CallCgroup:
         where = where or support()
         if where is None:
             raise OSError("no writable memory and pids cgroups")
+        swept = frozenset(where.parents.values())
+        if swept not in _swept:  # once per process and place
+            _swept.add(swept)
+            remove_orphans(where)
         self.version = where.version
         name = f"ma_python_{os.getpid()}_{next(_counter)}"
         self.dirs = sorted({parent / name for parent in where.parents.values()})
@@ -135,36 +180,43 @@ class CallCgroup:
             pass
         return 0
 
-    def _pids(self) -> set[int]:
-        pids: set[int] = set()
-        for folder in self.dirs:
-            try:
-                pids.update(int(p) for p in (folder / "cgroup.procs").read_text().split())
-            except OSError:
-                pass
-        return pids
-
     def close(self) -> None:
         """Kill every process still in the call's cgroups, then remove them."""
-        if self.version == 2:
-            _try_write(self.memory_dir / "cgroup.kill", "1")
-        deadline = time.monotonic() + 5.0
-        while (pids := self._pids()) and time.monotonic() < deadline:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.005)
-        for folder in self.dirs:
-            for _ in range(200):  # a killed task leaves its cgroup a moment after it is reaped
-                try:
-                    folder.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.005)
+        _kill_and_remove(self.dirs, self.memory_dir / "cgroup.kill" if self.version == 2 else None)
+
+
+def _pids(dirs: list[Path]) -> set[int]:
+    pids: set[int] = set()
+    for folder in dirs:
+        try:
+            pids.update(int(p) for p in (folder / "cgroup.procs").read_text().split())
+        except OSError:
+            pass
+    return pids
+
+
+def _kill_and_remove(dirs: list[Path], kill_file: Path | None) -> None:
+    """Kill every process in the cgroup folders `dirs` (through `kill_file`, v2's `cgroup.kill`,
+    where there is one, and one by one), then remove the folders."""
+    if kill_file is not None:
+        _try_write(kill_file, "1")
+    deadline = time.monotonic() + 5.0
+    while (pids := _pids(dirs)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+    for folder in dirs:
+        for _ in range(200):  # a killed task leaves its cgroup a moment after it is reaped
+            try:
+                folder.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.005)
 
 
 def _try_write(path: Path, value: str) -> None:

@@ -1,0 +1,80 @@
+"""The python tool's per-call cgroups left by a process that died while a call ran are removed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_agent.envs.tools import cgroups
+
+# A process that makes a call's cgroups, starts the call's process in them and dies (SIGKILL)
+# without closing them: what a trainer killed while a tool call ran leaves behind.
+DIES_WITH_A_CALL = """
+import os, signal, subprocess, sys
+from megatron_agent.envs.tools import cgroups
+cg = cgroups.CallCgroup(64 << 20, 8)
+child = subprocess.Popen(
+    ["sleep", "60"], preexec_fn=cg.enter, start_new_session=True,
+    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+)
+print(cg.memory_dir.name, child.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` has ended (a zombie counts: it runs no more)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.fixture
+def where():
+    found = cgroups.support()
+    if found is None:
+        pytest.skip("needs writable memory and pids cgroups")
+    return found
+
+
+def test_a_dead_owners_call_cgroups_are_removed_and_their_processes_killed(where):
+    proc = subprocess.run(
+        [sys.executable, "-c", DIES_WITH_A_CALL], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    name, pid = proc.stdout.split()
+    dirs = [parent / name for parent in set(where.parents.values())]
+    assert all(d.is_dir() for d in dirs) and not _gone(int(pid)), "the dead owner left nothing behind"
+
+    removed = cgroups.remove_orphans(where)
+    assert name in removed and not any(d.exists() for d in dirs), removed
+    deadline = time.monotonic() + 5
+    while not _gone(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _gone(int(pid)), "the orphaned call's process still runs"
+
+    live = cgroups.CallCgroup(64 << 20, 8, where)  # this process's own call: not an orphan
+    try:
+        assert cgroups.remove_orphans(where) == []
+        assert live.memory_dir.is_dir() and live.pids_dir.is_dir()
+    finally:
+        live.close()
+    assert not live.memory_dir.exists() and not live.pids_dir.exists()
+
+
+def test_the_first_call_of_a_process_sweeps_the_orphans(where):
+    proc = subprocess.run(
+        [sys.executable, "-c", DIES_WITH_A_CALL], capture_output=True, text=True, timeout=60
+    )
+    name = proc.stdout.split()[0]
+    dirs = [parent / name for parent in set(where.parents.values())]
+    assert all(d.is_dir() for d in dirs)
+    code = "from megatron_agent.envs.tools import cgroups\ncg = cgroups.CallCgroup(64 << 20, 8)\ncg.close()\n"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=dict(os.environ))
+    assert not any(d.exists() for d in dirs)

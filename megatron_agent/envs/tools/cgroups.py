@@ -89,7 +89,8 @@ def remove_orphans(where: Support | None = None) -> list[str]:
     they stayed under the job's cgroup, one per call, empty folders or with a call's processes
     still in them. A call's cgroup is named after its owner's pid; one whose pid no longer exists
     is an orphan (a pid reused by another process keeps its folders until that process ends).
-    `CallCgroup` runs this once per process and place, before its first call there."""
+    Once per process and place (`sweep_once`): when the python tool is made, and before a
+    `CallCgroup`'s first call there."""
     where = where or support()
     if where is None:
         return []
@@ -101,7 +102,7 @@ def remove_orphans(where: Support | None = None) -> list[str]:
             continue
         for folder in entries:
             match = _CALL_NAME.fullmatch(folder.name)
-            if match and folder.is_dir() and not _alive(int(match.group(1))):
+            if match and folder.is_dir() and not pid_alive(int(match.group(1))):
                 found.setdefault(folder.name, []).append(folder)
     for name, dirs in found.items():
         kill_file = where.parents["memory"] / name / "cgroup.kill" if where.version == 2 else None
@@ -109,7 +110,16 @@ def remove_orphans(where: Support | None = None) -> list[str]:
     return sorted(found)
 
 
-def _alive(pid: int) -> bool:
+def sweep_once(where: Support) -> None:
+    """`remove_orphans(where)`, the first time this process asks for `where`."""
+    place = frozenset(where.parents.values())
+    if place not in _swept:
+        _swept.add(place)
+        remove_orphans(where)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (another user's included)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -131,10 +141,7 @@ class CallCgroup:
         where = where or support()
         if where is None:
             raise OSError("no writable memory and pids cgroups")
-        swept = frozenset(where.parents.values())
-        if swept not in _swept:  # once per process and place
-            _swept.add(swept)
-            remove_orphans(where)
+        sweep_once(where)
         self.version = where.version
         name = f"ma_python_{os.getpid()}_{next(_counter)}"
         self.dirs = sorted({parent / name for parent in where.parents.values()})

@@ -30,7 +30,9 @@ import asyncio
 import functools
 import logging
 import os
+import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,6 +113,25 @@ def check_worst_case(memory_mb: int, max_concurrent: int, copies: int = 1) -> No
         )
 
 
+def remove_orphaned_workdirs(root: str | None = None) -> list[str]:
+    """Remove the unsandboxed calls' working folders (`ma_python_<pid>_*` in `root`, by default
+    the temporary folder) whose owner pid no longer exists; return their names. A process killed
+    while a call ran never removed the folder, with what the snippet wrote in it (up to `tmp_mb`)."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return removed
+    for name in entries:
+        match = re.fullmatch(r"ma_python_(\d+)_\w+", name)
+        path = os.path.join(root, name)
+        if match and os.path.isdir(path) and not cgroups.pid_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+    return sorted(removed)
+
+
 def _limits(memory_bytes: int, cpu_s: int, file_bytes: int, enter=None):
     def apply() -> None:
         import resource
@@ -176,6 +197,8 @@ class Python(Tool):
         self.mode = sandbox
         self.cgroups = cgroups.support() if use_cgroup else None
         """Where the per-call cgroups are made; None: the rlimit path."""
+        if self.cgroups is not None:
+            cgroups.sweep_once(self.cgroups)  # what a killed process's calls left
         self.bwrap = self._choose_bwrap(sandbox, bwrap)
         self.sandboxed = self.bwrap is not None
         self.path = ("bwrap" if self.sandboxed else "off") + ("+cgroup" if self.cgroups else "+rlimit")
@@ -183,6 +206,8 @@ class Python(Tool):
         self.process_memory_bytes = self._process_memory_bytes()
         """RLIMIT_AS of each process of a call."""
         self.prefix = () if self.sandboxed else unsandboxed_prefix()
+        if not self.sandboxed:
+            remove_orphaned_workdirs()
         self.network_isolated = self.sandboxed or "--net" in self.prefix
         self.max_concurrent = max_concurrent or default_max_concurrent(memory_mb, copies)
         check_worst_case(memory_mb, self.max_concurrent, copies)
@@ -347,7 +372,7 @@ class Python(Tool):
                 os.close(rules)
 
     async def _run_unsandboxed(self, code: str, cgroup) -> tuple[int, bytes]:
-        with tempfile.TemporaryDirectory(prefix="ma_python_") as workdir:
+        with tempfile.TemporaryDirectory(prefix=f"ma_python_{os.getpid()}_") as workdir:
             script = os.path.join(workdir, "main.py")
             with open(script, "w") as f:
                 f.write(code)

@@ -1,16 +1,19 @@
-"""The python tool's per-call cgroups left by a process that died while a call ran are removed."""
+"""What a process killed while its python-tool calls ran left (their cgroups, an unsandboxed call's
+working folder) is removed by the next process that makes the tool."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from megatron_agent.envs.tools import cgroups
+from megatron_agent.envs.tools.python import remove_orphaned_workdirs
 
 # A process that makes a call's cgroups, starts the call's process in them and dies (SIGKILL)
 # without closing them: what a trainer killed while a tool call ran leaves behind.
@@ -78,3 +81,37 @@ def test_the_first_call_of_a_process_sweeps_the_orphans(where):
     code = "from megatron_agent.envs.tools import cgroups\ncg = cgroups.CallCgroup(64 << 20, 8)\ncg.close()\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=dict(os.environ))
     assert not any(d.exists() for d in dirs)
+
+
+# A process whose unsandboxed call (no cgroup) writes into its working folder and is still running
+# when the process is killed.
+DIES_IN_AN_UNSANDBOXED_CALL = """
+import asyncio, glob, os, signal, sys, tempfile
+from megatron_agent.envs.tools.python import Python
+tool = Python(sandbox="off", use_cgroup=False, timeout_s=30)
+async def main():
+    call = asyncio.ensure_future(tool.call("open('written', 'w').write('x' * 1000)\\nimport time\\ntime.sleep(30)"))
+    pattern = os.path.join(tempfile.gettempdir(), f"ma_python_{os.getpid()}_*", "written")
+    while not glob.glob(pattern):
+        await asyncio.sleep(0.01)
+    print(os.path.basename(os.path.dirname(glob.glob(pattern)[0])), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+asyncio.run(main())
+"""
+
+
+def test_a_dead_owners_unsandboxed_working_folder_is_removed_when_the_next_tool_is_made(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", DIES_IN_AN_UNSANDBOXED_CALL], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    workdir = Path(tempfile.gettempdir()) / proc.stdout.strip()
+    assert (workdir / "written").read_text() == "x" * 1000, "the killed call left no folder"
+    live = tmp_path / f"ma_python_{os.getpid()}_live"  # a live owner's folder stays
+    live.mkdir()
+    (tmp_path / "ma_python_unrelated").mkdir()
+    assert remove_orphaned_workdirs(str(tmp_path)) == [] and live.is_dir()
+    assert (tmp_path / "ma_python_unrelated").is_dir()
+    code = "from megatron_agent.envs.tools.python import Python\nPython(sandbox='off', use_cgroup=False)\n"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert not workdir.exists()

@@ -54,8 +54,20 @@ def test_a_dead_owners_call_cgroups_are_removed_and_their_processes_killed(where
     name, pid = proc.stdout.split()
     dirs = [parent / name for parent in set(where.parents.values())]
     assert all(d.is_dir() for d in dirs) and not _gone(int(pid)), "the dead owner left nothing behind"
+    # the same dead pid in another pid namespace (a container sharing this cgroup): not ours
+    namespace = cgroups.owner_tag().partition("_")[0]
+    foreign = [
+        p / name.replace(f"_{namespace}_", f"_{int(namespace) + 1}_", 1) for p in set(where.parents.values())
+    ]
+    for folder in foreign:
+        folder.mkdir()
 
-    removed = cgroups.remove_orphans(where)
+    try:
+        removed = cgroups.remove_orphans(where)
+        assert all(f.is_dir() for f in foreign), "another pid namespace's cgroup was removed"
+    finally:
+        for folder in foreign:
+            folder.rmdir()
     assert name in removed and not any(d.exists() for d in dirs), removed
     deadline = time.monotonic() + 5
     while not _gone(int(pid)) and time.monotonic() < deadline:
@@ -87,11 +99,12 @@ def test_the_first_call_of_a_process_sweeps_the_orphans(where):
 # when the process is killed.
 DIES_IN_AN_UNSANDBOXED_CALL = """
 import asyncio, glob, os, signal, sys, tempfile
+from megatron_agent.envs.tools import cgroups
 from megatron_agent.envs.tools.python import Python
 tool = Python(sandbox="off", use_cgroup=False, timeout_s=30)
 async def main():
     call = asyncio.ensure_future(tool.call("open('written', 'w').write('x' * 1000)\\nimport time\\ntime.sleep(30)"))
-    pattern = os.path.join(tempfile.gettempdir(), f"ma_python_{os.getpid()}_*", "written")
+    pattern = os.path.join(tempfile.gettempdir(), f"ma_python_{cgroups.owner_tag()}_*", "written")
     while not glob.glob(pattern):
         await asyncio.sleep(0.01)
     print(os.path.basename(os.path.dirname(glob.glob(pattern)[0])), flush=True)
@@ -107,11 +120,17 @@ def test_a_dead_owners_unsandboxed_working_folder_is_removed_when_the_next_tool_
     assert proc.returncode == -9, proc.stderr[-2000:]
     workdir = Path(tempfile.gettempdir()) / proc.stdout.strip()
     assert (workdir / "written").read_text() == "x" * 1000, "the killed call left no folder"
-    live = tmp_path / f"ma_python_{os.getpid()}_live"  # a live owner's folder stays
-    live.mkdir()
-    (tmp_path / "ma_python_unrelated").mkdir()
-    assert remove_orphaned_workdirs(str(tmp_path)) == [] and live.is_dir()
-    assert (tmp_path / "ma_python_unrelated").is_dir()
+    namespace, _, pid = cgroups.owner_tag().partition("_")
+    dead = proc.stdout.strip().split("_")[3]  # ma_python_<namespace>_<pid>_...
+    kept = [
+        f"ma_python_{namespace}_{pid}_live",  # a live owner's
+        f"ma_python_{int(namespace) + 1}_{dead}_other",  # a dead pid of another pid namespace
+        "ma_python_unrelated",
+    ]
+    for name in kept + [f"ma_python_{namespace}_{dead}_gone"]:
+        (tmp_path / name).mkdir()
+    assert remove_orphaned_workdirs(str(tmp_path)) == [f"ma_python_{namespace}_{dead}_gone"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
     code = "from megatron_agent.envs.tools.python import Python\nPython(sandbox='off', use_cgroup=False)\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert not workdir.exists()

@@ -23,7 +23,7 @@ from megatron_agent.platform.cgroup_paths import cgroup_mounts, own_cgroups
 CONTROLLERS = ("memory", "pids")
 _counter = itertools.count()
 _swept: set[frozenset[Path]] = set()  # where `remove_orphans` ran in this process
-_CALL_NAME = re.compile(r"ma_python_(\d+)_\d+")  # a call's cgroup: its owner's pid, a counter
+_CALL_NAME = re.compile(r"ma_python_(\d+_\d+)_\d+")  # a call's cgroup: its owner's tag, a counter
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,9 @@ def remove_orphans(where: Support | None = None) -> list[str]:
 
     A process killed while its calls ran (SIGKILL, the OOM killer) never closed their cgroups:
     they stayed under the job's cgroup, one per call, empty folders or with a call's processes
-    still in them. A call's cgroup is named after its owner's pid; one whose pid no longer exists
-    is an orphan (a pid reused by another process keeps its folders until that process ends).
+    still in them. A call's cgroup is named after its owner (`owner_tag`); one whose owner is in
+    this process's pid namespace and no longer exists is an orphan (a pid reused by another
+    process keeps its folders until that process ends; another namespace's are never touched).
     Once per process and place (`sweep_once`): when the python tool is made, and before a
     `CallCgroup`'s first call there."""
     where = where or support()
@@ -102,7 +103,7 @@ def remove_orphans(where: Support | None = None) -> list[str]:
             continue
         for folder in entries:
             match = _CALL_NAME.fullmatch(folder.name)
-            if match and folder.is_dir() and not pid_alive(int(match.group(1))):
+            if match and folder.is_dir() and owner_died(match.group(1)):
                 found.setdefault(folder.name, []).append(folder)
     for name, dirs in found.items():
         kill_file = where.parents["memory"] / name / "cgroup.kill" if where.version == 2 else None
@@ -118,15 +119,33 @@ def sweep_once(where: Support) -> None:
         remove_orphans(where)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists (another user's included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def owner_tag() -> str:
+    """`<pid namespace>_<pid>` of this process, in the names of what its calls make (cgroups,
+    working folders): a sweep in another pid namespace (a container sharing the folder) then
+    never takes them for a dead process's."""
+    return f"{_pid_namespace()}_{os.getpid()}"
+
+
+def owner_died(tag: str) -> bool:
+    """Whether the owner `owner_tag` names is in this pid namespace and has ended."""
+    namespace, _, pid = tag.partition("_")
+    if namespace != str(_pid_namespace()) or not pid.isdigit():
         return False
-    except PermissionError:  # another user's process
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
         return True
-    return True
+    except PermissionError:  # another user's process
+        return False
+    return False
+
+
+@functools.cache
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 class CallCgroup:
@@ -143,7 +162,7 @@ class CallCgroup:
             raise OSError("no writable memory and pids cgroups")
         sweep_once(where)
         self.version = where.version
-        name = f"ma_python_{os.getpid()}_{next(_counter)}"
+        name = f"ma_python_{owner_tag()}_{next(_counter)}"
         self.dirs = sorted({parent / name for parent in where.parents.values()})
         self.memory_dir = where.parents["memory"] / name
         self.pids_dir = where.parents["pids"] / name

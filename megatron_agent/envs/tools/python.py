@@ -114,9 +114,10 @@ def check_worst_case(memory_mb: int, max_concurrent: int, copies: int = 1) -> No
 
 
 def remove_orphaned_workdirs(root: str | None = None) -> list[str]:
-    """Remove the unsandboxed calls' working folders (`ma_python_<pid>_*` in `root`, by default
-    the temporary folder) whose owner pid no longer exists; return their names. A process killed
-    while a call ran never removed the folder, with what the snippet wrote in it (up to `tmp_mb`)."""
+    """Remove the unsandboxed calls' working folders (`ma_python_<owner>_*` in `root`, by default
+    the temporary folder) whose owner has ended (`cgroups.owner_died`); return their names. A
+    process killed while a call ran never removed the folder, with what the snippet wrote in it
+    (up to `tmp_mb`)."""
     root = root or tempfile.gettempdir()
     removed = []
     try:
@@ -124,9 +125,9 @@ def remove_orphaned_workdirs(root: str | None = None) -> list[str]:
     except OSError:
         return removed
     for name in entries:
-        match = re.fullmatch(r"ma_python_(\d+)_\w+", name)
+        match = re.fullmatch(r"ma_python_(\d+_\d+)_\w+", name)
         path = os.path.join(root, name)
-        if match and os.path.isdir(path) and not cgroups.pid_alive(int(match.group(1))):
+        if match and os.path.isdir(path) and cgroups.owner_died(match.group(1)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
     return sorted(removed)
@@ -372,7 +373,7 @@ class Python(Tool):
                 os.close(rules)
 
     async def _run_unsandboxed(self, code: str, cgroup) -> tuple[int, bytes]:
-        with tempfile.TemporaryDirectory(prefix=f"ma_python_{os.getpid()}_") as workdir:
+        with tempfile.TemporaryDirectory(prefix=f"ma_python_{cgroups.owner_tag()}_") as workdir:
             script = os.path.join(workdir, "main.py")
             with open(script, "w") as f:
                 f.write(code)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 
@@ -20,9 +18,10 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(tiny_model_dir, tmp_path_factory):
-    """The session's vLLM engine (fp32, eager, in-process), with the forced-token logits processor."""
-    cache = tmp_path_factory.mktemp("vllm_cache")
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache))
+    """The session's vLLM engine (fp32, eager, in-process), with the forced-token logits processor.
+    vLLM's own cache stays where it is (`VLLM_CACHE_ROOT`, ~/.cache/vllm), as in a run: an empty
+    one made vLLM inspect the model classes again in a subprocess (7 s of this fixture's 14 s)."""
+    cache = tmp_path_factory.mktemp("engine_cache")  # the engine's `cache_dir`
     from megatron_agent.rollout.engine import VLLMEngine
     from megatron_agent.rollout.scripted import ForcedTokensLogitsProcessor
 

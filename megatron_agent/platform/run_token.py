@@ -38,10 +38,16 @@ def start_ticks(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+def process_token(pid: int | None = None) -> str:
+    """`<pid>.<start ticks>` of a process (default: this one): what `token_alive` checks."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}.{start_ticks(pid) or 0}"
+
+
 def become_driver() -> str:
     """Make this process the driver of a run: its own token (replacing one it inherited) in its
     environment, and so in its children's; returns it."""
-    os.environ[TOKEN_ENV] = f"{os.getpid()}.{start_ticks(os.getpid()) or 0}"
+    os.environ[TOKEN_ENV] = process_token()
     return os.environ[TOKEN_ENV]
 
 

@@ -142,6 +142,9 @@ def test_a_dead_owners_unsandboxed_working_folder_is_removed_when_the_next_tool_
         (tmp_path / name).mkdir()
     assert remove_orphaned_workdirs(str(tmp_path)) == [f"ma_python_{namespace}_{dead}_gone"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    reused = f"ma_python_{namespace}_{os.getpid()}.1_reused"  # a live pid, another start: its owner died
+    (tmp_path / reused).mkdir()
+    assert remove_orphaned_workdirs(str(tmp_path)) == [reused]
     code = "from megatron_agent.envs.tools.python import Python\nPython(sandbox='off', use_cgroup=False)\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert not workdir.exists()

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_agent.platform.cgroup_paths import cgroup_mounts, own_cgroups
+from megatron_agent.platform.run_token import process_token, token_alive
 
 CONTROLLERS = ("memory", "pids")
 _counter = itertools.count()
 _swept: set[frozenset[Path]] = set()  # where `remove_orphans` ran in this process
-_CALL_NAME = re.compile(r"ma_python_(\d+_\d+)_\d+")  # a call's cgroup: its owner's tag, a counter
+_OWNED = re.compile(r"ma_python_(\d+)_(\d+\.\d+)_")  # what a call makes: its owner's tag, then its own part
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,8 @@ def remove_orphans(where: Support | None = None) -> list[str]:
     A process killed while its calls ran (SIGKILL, the OOM killer) never closed their cgroups:
     they stayed under the job's cgroup, one per call, empty folders or with a call's processes
     still in them. A call's cgroup is named after its owner (`owner_tag`); one whose owner is in
-    this process's pid namespace and no longer exists is an orphan (a pid reused by another
-    process keeps its folders until that process ends; another namespace's are never touched).
+    this process's pid namespace and no longer runs is an orphan (`left_by_dead_owner`; another
+    namespace's are never touched).
     Once per process and place (`sweep_once`): when the python tool is made, and before a
     `CallCgroup`'s first call there."""
     where = where or support()
@@ -102,8 +103,7 @@ def remove_orphans(where: Support | None = None) -> list[str]:
         except OSError:
             continue
         for folder in entries:
-            match = _CALL_NAME.fullmatch(folder.name)
-            if match and folder.is_dir() and owner_died(match.group(1)):
+            if left_by_dead_owner(folder.name) and folder.is_dir():
                 found.setdefault(folder.name, []).append(folder)
     for name, dirs in found.items():
         kill_file = where.parents["memory"] / name / "cgroup.kill" if where.version == 2 else None
@@ -120,24 +120,22 @@ def sweep_once(where: Support) -> None:
 
 
 def owner_tag() -> str:
-    """`<pid namespace>_<pid>` of this process, in the names of what its calls make (cgroups,
-    working folders): a sweep in another pid namespace (a container sharing the folder) then
-    never takes them for a dead process's."""
-    return f"{_pid_namespace()}_{os.getpid()}"
+    """`<pid namespace>_<pid>.<start ticks>` of this process (`run_token.process_token`), in the
+    names of what its calls make (cgroups, working folders): a reused pid does not pass for their
+    owner, and a sweep in another pid namespace (a container sharing the folder) leaves them be."""
+    return _owner_tag(os.getpid())
 
 
-def owner_died(tag: str) -> bool:
-    """Whether the owner `owner_tag` names is in this pid namespace and has ended."""
-    namespace, _, pid = tag.partition("_")
-    if namespace != str(_pid_namespace()) or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process
-        return False
-    return False
+def left_by_dead_owner(name: str) -> bool:
+    """Whether `name` is one of a call's (`ma_python_<owner_tag>_...`) whose owner is in this pid
+    namespace and no longer runs."""
+    match = _OWNED.match(name)
+    return bool(match) and match.group(1) == str(_pid_namespace()) and not token_alive(match.group(2))
+
+
+@functools.cache
+def _owner_tag(pid: int) -> str:  # by pid: a forked child has its own
+    return f"{_pid_namespace()}_{process_token(pid)}"
 
 
 @functools.cache

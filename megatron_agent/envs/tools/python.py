@@ -30,7 +30,6 @@ import asyncio
 import functools
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -115,8 +114,8 @@ def check_worst_case(memory_mb: int, max_concurrent: int, copies: int = 1) -> No
 
 def remove_orphaned_workdirs(root: str | None = None) -> list[str]:
     """Remove the unsandboxed calls' working folders (`ma_python_<owner>_*` in `root`, by default
-    the temporary folder) whose owner has ended (`cgroups.owner_died`); return their names. A
-    process killed while a call ran never removed the folder, with what the snippet wrote in it
+    the temporary folder) whose owner has ended (`cgroups.left_by_dead_owner`); return their names.
+    A process killed while a call ran never removed the folder, with what the snippet wrote in it
     (up to `tmp_mb`)."""
     root = root or tempfile.gettempdir()
     removed = []
@@ -125,9 +124,8 @@ def remove_orphaned_workdirs(root: str | None = None) -> list[str]:
     except OSError:
         return removed
     for name in entries:
-        match = re.fullmatch(r"ma_python_(\d+_\d+)_\w+", name)
         path = os.path.join(root, name)
-        if match and os.path.isdir(path) and cgroups.owner_died(match.group(1)):
+        if cgroups.left_by_dead_owner(name) and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
     return sorted(removed)

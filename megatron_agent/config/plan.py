@@ -47,6 +47,9 @@ class RunPlan:
     """'sync' or 'async' (`trainer.mode`)."""
     max_staleness: int
     """The staleness bound eta of an async run (`async.max_staleness`); 0 in sync mode."""
+    share_cores: bool
+    """An async run that is not deterministic with `async.share_cores`: on CPU, a rank runs on
+    half its threads while an engine of its machine generates (`platform/core_sharing.py`)."""
     old_logprobs_from_update: bool
     """Old log-probs come from the update's own forward (else from a forward-only pass before it)."""
     values_from_update: bool
@@ -199,6 +202,7 @@ def make_plan(cfg: Config) -> RunPlan:
         rollout_is_mode=rollout_is_mode(cfg),
         mode=cfg.trainer.mode,
         max_staleness=cfg.async_.max_staleness if cfg.trainer.mode == "async" else 0,
+        share_cores=cfg.trainer.mode == "async" and not cfg.trainer.deterministic and cfg.async_.share_cores,
         old_logprobs_from_update=old_logprobs_from_update(cfg),
         values_from_update=values_from_update(cfg),
         num_mini_batches=num_mini_batches(cfg),

@@ -456,6 +456,10 @@ class AsyncConfig:
     """Deterministic mode: a batch that a sync will interrupt pauses after this many engine steps
     of its rollout and takes the new weights there (or at its end, if shorter), so the schedule
     is a function of the config. Otherwise a sync interrupts the engines when it arrives."""
+    share_cores: bool = True
+    """CPU runs that are not deterministic: while a rollout engine of its machine generates, a
+    Megatron rank runs on half its threads (all of them otherwise), so that the two do not hold
+    each other up on the same cores (`platform/core_sharing.py`). No effect on GPU."""
 
 
 @dataclass

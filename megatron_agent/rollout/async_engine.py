@@ -75,6 +75,7 @@ class AsyncEngine:
         self._paused = False
         self._pause_at: int | None = None  # `num_steps` at which the pump pauses itself
         self.paused_event: asyncio.Event | None = None  # set while paused (made on first use)
+        self.activity = None  # an `EngineActivity` told when steps run (`async.share_cores`)
 
     @property
     def weight_version(self) -> int:
@@ -149,6 +150,8 @@ class AsyncEngine:
 
     def close(self) -> None:
         """Stop the pump (pending requests are aborted)."""
+        if self.activity is not None:
+            self.activity.set_busy(False)
         if self._pending:
             self.engine.abort(list(self._pending))
             self._pending.clear()
@@ -159,8 +162,7 @@ class AsyncEngine:
     async def _run(self) -> None:
         while True:
             if self._live and len(self._pending) + len(self._inbox) < self._live:
-                self._wake.clear()  # lockstep: a trajectory is still running a tool
-                await self._wake.wait()
+                await self._idle()  # lockstep: a trajectory is still running a tool
                 continue
             if (
                 self._pause_at is not None
@@ -169,19 +171,26 @@ class AsyncEngine:
             ):
                 self.pause()  # the fixed point: every live trajectory waits on the engine here
             if self._paused:
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
                 continue
             self._admit()
             if not self._pending:
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
                 continue
+            if self.activity is not None:
+                self.activity.set_busy(True)
             finished = self._step()
             await asyncio.sleep(0)
             if finished:
                 for _ in range(self.settle_yields):
                     await asyncio.sleep(0)
+
+    async def _idle(self) -> None:
+        """Wait for the next submission, resume or finished tool, as idle (`activity`)."""
+        if self.activity is not None:
+            self.activity.set_busy(False)
+        self._wake.clear()
+        await self._wake.wait()
 
     def _admit(self) -> None:
         inbox, self._inbox = self._inbox, []

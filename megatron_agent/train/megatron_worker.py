@@ -185,6 +185,7 @@ class MegatronWorker(MegatronRank, CriticRole):
         super().__init__(rank, world_size, log_path, cfg_dict, plan_dict)
         self.drills = Drills(DrillPlan.from_config(self.cfg))  # no-ops unless debug.* is set
         self.actor = self.ref = self.update = self.sender = None
+        self.sharing = None  # `ThreadSharing` with this machine's engines (`async.share_cores`)
 
     @property
     def has_critic(self) -> bool:
@@ -283,6 +284,9 @@ class MegatronWorker(MegatronRank, CriticRole):
         with self.drills.around_update(self.actor, batch, step):
             sums = self.update.run(batch, mini_batch_indices, step, decode=self._decode)
         sums["actor/lr"] = self.update.current_lr()
+        if self.sharing is not None:
+            sums["async/rank_threads_low_share"] = self.sharing.low_share()
+            self.sharing.restore()
         if self.rank == 0:
             self.drills.reached("update", step)
         if self.update.old_from_update:
@@ -363,8 +367,10 @@ class MegatronWorker(MegatronRank, CriticRole):
         self.sender = None
 
     # --------------------------------------------------------------------------------- weights
-    def connect_engines(self, engine_handles: list) -> None:
-        """Create the weight sender towards the rollout engines (Ray actor handles)."""
+    def connect_engines(self, engine_handles: list, activity: list | None = None) -> None:
+        """Create the weight sender towards the rollout engines (Ray actor handles). `activity`:
+        the engines' `activity_handle()`s (`async.share_cores`): while one of this machine's
+        engines generates, this rank computes on half its threads."""
         from megatron_agent.sync import RayEndpoint, WeightSender
 
         endpoints = [RayEndpoint(h, name=f"rollout engine {i}") for i, h in enumerate(engine_handles)]
@@ -372,6 +378,34 @@ class MegatronWorker(MegatronRank, CriticRole):
             self.sender.close()
         self.sender = WeightSender(
             self.actor, self.cfg.sync, endpoints, rollout_dtype=rollout_dtype(self.cfg)
+        )
+        self._share_cores(activity or [])
+
+    def _share_cores(self, activity: list) -> None:
+        """Follow the activity of this machine's engines (`platform/core_sharing.py`), again
+        from the start when they changed; nothing on GPU or with a single thread."""
+        import ray
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        from megatron_agent.platform.core_sharing import ActivityWatch, ThreadSharing
+        from megatron_agent.platform.setup import has_cuda
+
+        if self.sharing is not None:
+            self.sharing.close()  # its threads back to all of them first
+            self.sharing = None
+        if not any(activity) or has_cuda() or torch.get_num_threads() < 2:
+            return
+        watch = ActivityWatch(activity, ray.get_runtime_context().get_node_id())
+        if not len(watch):
+            return
+        self.sharing = ThreadSharing(watch, torch.get_num_threads())
+        models = (m for m in (self.actor, self.ref, getattr(self, "critic", None)) if m is not None)
+        self.sharing.install(
+            layer
+            for m in models
+            for chunk in m.chunks
+            for layer in chunk.modules()
+            if isinstance(layer, TransformerLayer)
         )
 
     def close_sync(self) -> None:

@@ -30,6 +30,7 @@ import os
 import time
 
 from megatron_agent.config import RunPlan, config_from_dict
+from megatron_agent.platform.accelerator import cuda_available
 from megatron_agent.train.drills import DrillPlan, Drills
 
 
@@ -75,10 +76,23 @@ class RolloutWorker:
         tools = build_toolset(cfg, plan.tools, plan.search_index_dir)
         self.loop = build_agent_loop(cfg, self.engine, tools, turn_hook=hook)
         self.pump = self.loop.engine  # the AsyncEngine that steps the engine
+        self.activity = None
+        if plan.share_cores and not cuda_available():  # the ranks of this machine follow its steps
+            import ray
+
+            from megatron_agent.platform.core_sharing import EngineActivity
+
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+            self.activity = self.pump.activity = EngineActivity(node)
 
     def ping(self) -> int:
         """Liveness check; returns the engine index."""
         return self.rank
+
+    def activity_handle(self) -> dict | None:
+        """Where the ranks of this machine read whether this engine generates (`async.share_cores`;
+        None when it does not say)."""
+        return self.activity.handle().to_dict() if self.activity is not None else None
 
     # ----------------------------------------------------------------------------- rollouts
     def generate(self, tasks: list, n: int, greedy: bool = False) -> list:

@@ -92,6 +92,7 @@ class Trainer:
         self.actor_version = 1  # the version the actor's weights take at their next sync
         self._engine_reseed: tuple = ()  # the latest reseed, replayed into a replacement engine
         self.replaced: set[int] = set()  # ranks of the engines replaced in this run
+        self.engine_activity: list | None = None  # the engines' activity handles (`async.share_cores`)
         self._last_sync: dict = {}  # the latest sync's metrics
 
     # ----------------------------------------------------------------------------- data
@@ -225,7 +226,9 @@ class Trainer:
         ready = finish_together(calls)
         self.infos = calls["megatron"].result()
         if engines:
-            self.actors.call("connect_engines", self.engines.workers)
+            if self.plan.share_cores:
+                self.engine_activity = self.engines.call("activity_handle")
+            self.actors.call("connect_engines", self.engines.workers, self.engine_activity)
         return {name: at - begin for name, at in ready.items()}
 
     @property
@@ -253,7 +256,7 @@ class Trainer:
         """Every Megatron rank's models again from `ckpt` (the SFT result), the engines reconnected."""
         self.on_megatron("restart_from", ckpt)
         if self.engines is not None:
-            self.actors.call("connect_engines", self.engines.workers)
+            self.actors.call("connect_engines", self.engines.workers, self.engine_activity)
 
     def load_state(self, ckpt_dir: str) -> None:
         """Every Megatron rank's state from a whole-run checkpoint (`MegatronWorker.load_state`,
@@ -319,7 +322,10 @@ class Trainer:
         self.engines.call("ping", ranks=ranks)  # the new engines are up (vLLM started)
         if self._engine_reseed:
             self.engines.call("reseed", *self._engine_reseed, ranks=ranks)
-        self.actors.call("connect_engines", self.engines.workers)
+        if self.engine_activity is not None:  # only the new engines are asked: the others may be busy
+            for rank, handle in zip(ranks, self.engines.call("activity_handle", ranks=ranks)):
+                self.engine_activity[rank] = handle
+        self.actors.call("connect_engines", self.engines.workers, self.engine_activity)
         self.replaced.update(ranks)
         if self.weight_version > 0:  # else every engine still serves the initial weights
             m = self.sync(force=True)

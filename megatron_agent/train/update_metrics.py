@@ -49,6 +49,8 @@ UPDATE_METRICS: dict[str, Reduction] = {
     "critic/lr": LATEST,
     "critic/guard_skipped": COUNT,
     "timing_s/update_critic": Reduction("last", "max"),  # a separate critic's ranks' own wall time
+    # the share of the step's layer passes this rank ran on half its threads (an engine generating)
+    "async/rank_threads_low_share": Reduction("last", "max"),
 }
 PREFIX_RULES: dict[str, Reduction] = {"guard/": LATEST}  # the guard's running totals and maxima
 BOOKKEEPING = ("n_tokens", "n_optimizer_steps")  # used for the division, not reported

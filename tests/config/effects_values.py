@@ -132,6 +132,11 @@ CONTEXT: dict[str, list[str]] = {
     "trainer.mode": ["algorithm.off_policy_loss=decoupled"],  # async needs a correction
     "async_.max_staleness": ["trainer.mode=async", "algorithm.off_policy_loss=decoupled"],
     "async_.keep_kv": ["trainer.mode=async", "algorithm.off_policy_loss=decoupled"],
+    "async_.share_cores": [  # not in deterministic mode (the threads follow the engine's timing)
+        "trainer.mode=async",
+        "algorithm.off_policy_loss=decoupled",
+        "trainer.deterministic=false",
+    ],
     "async_.interrupt_after_engine_steps": [  # batch 2 pauses for the sync after update 1
         "trainer.mode=async",
         "algorithm.off_policy_loss=decoupled",

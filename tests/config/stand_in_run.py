@@ -71,8 +71,9 @@ class FakeRank:
     def setup(self, master_addr, master_port, init_from=""):
         return {"rank": self.rank, "dp_rank": 0, "dp_size": 1, "reports": self.rank == 0}
 
-    def connect_engines(self, engines):
+    def connect_engines(self, engines, activity=None):
         self.engines = engines  # the fake group's RolloutWorker objects
+        self.activity = activity  # their activity handles (`async.share_cores`)
 
     def close_sync(self):
         pass

@@ -108,6 +108,19 @@ def test_settings_that_cannot_work_here_are_refused_at_load(override, message):
 ASYNC = ["trainer.mode=async", "algorithm.off_policy_loss=decoupled"]
 
 
+@pytest.mark.parametrize(
+    "overrides, shares",
+    [
+        (ASYNC, True),
+        ([*ASYNC, "async.share_cores=false"], False),
+        ([*ASYNC, "trainer.deterministic=true"], False),  # the threads would follow the engine's timing
+        ([], False),  # sync: engines and ranks take turns
+    ],
+)
+def test_ranks_share_cores_with_engines_only_in_async_runs_that_are_not_deterministic(overrides, shares):
+    assert plan(*overrides).share_cores is shares
+
+
 def test_a_critic_runs_in_async_mode_with_its_values_from_its_update():
     p = plan(*ASYNC, "algorithm.adv_estimator=gae")
     assert p.mode == "async" and p.uses_critic and p.values_from_update

@@ -7,6 +7,7 @@ script's ids, but every id and log-prob still comes out of vLLM (raw log-probs o
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from megatron_agent.data.tasks import Task
 from megatron_agent.envs.tools import Calculator, Tool, ToolSet
 from megatron_agent.rollout.agent_loop import AgentLoop, AgentLoopConfig, truncate_ids
 from megatron_agent.rollout.async_engine import AsyncEngine
+from megatron_agent.rollout.engine import SamplingConfig
 from megatron_agent.rollout.metrics import rollout_metrics
 from megatron_agent.rollout.scripted import FORCED_KEY
 from megatron_agent.rollout.trajectory import TokenSource, build_training_batch
@@ -306,3 +308,37 @@ def test_weight_version_is_recorded_across_an_update(engine, chat, tiny_model_di
     version = loop.engine.update_weights(load_file(str(tiny_model_dir / "model.safetensors")).items())
     (after,) = loop.run([task("v", [], content="hi")])
     assert before.weight_version == version - 1 and after.weight_version == version
+
+
+def test_the_pump_says_busy_while_it_steps(engine):
+    """`async.share_cores`: the engine's activity byte (platform/core_sharing.py) is 1 while the
+    pump takes steps, 0 once it waits."""
+    from megatron_agent.platform.core_sharing import ActivityWatch, EngineActivity
+
+    activity = EngineActivity("n")
+    watch = ActivityWatch([activity.handle()], node="n")
+    pump = AsyncEngine(engine)
+    pump.activity = activity
+    samples, done = [], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            samples.append(watch.any_busy())
+            time.sleep(0.001)
+
+    async def generate():
+        sampling = SamplingConfig(max_tokens=32, temperature=1.0, ignore_eos=True)
+        await asyncio.gather(*(pump.generate([5, 6, 7, 8 + k], sampling) for k in range(4)))
+        await asyncio.sleep(0.05)  # the pump goes back to waiting
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        asyncio.run(generate())
+        assert not watch.any_busy()
+    finally:
+        done.set()
+        sampler.join()
+        pump.close()
+    assert any(samples) and not samples[-1]
+    activity.close()

@@ -200,6 +200,7 @@ DIST_FILES = {
     "ops/test_lint.py",
     "ops/test_slurm_launch.py",
     "ops/test_versions.py",
+    "platform/test_core_sharing.py",
     "rl/test_rl_distributed.py",
     "rollout/test_agent_loop.py",
     "rollout/test_command.py",
@@ -220,6 +221,7 @@ DIST_FILES = {
 }
 E2E_FILES = {
     "train/test_async.py",
+    "train/test_async_cores.py",
     "train/test_driver_kill.py",
     "convert/test_export_training.py",
     "gpu/test_gpu_numerics.py",

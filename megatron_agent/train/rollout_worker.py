@@ -83,7 +83,10 @@ class RolloutWorker:
             from megatron_agent.platform.core_sharing import EngineActivity
 
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-            self.activity = self.pump.activity = EngineActivity(node)
+            try:
+                self.activity = self.pump.activity = EngineActivity(node)
+            except (AttributeError, OSError) as exc:  # no memfd_create (not Linux): nothing shared
+                print(f"async.share_cores: the engine cannot publish its activity ({exc}); not shared")
 
     def ping(self) -> int:
         """Liveness check; returns the engine index."""

@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous RL on the quickstart with a long-tailed tool, measured side by side.
 
-    .venv/bin/python bench/async.py [--steps 12] [--etas 1 2] [--rounds 1] [--tool-seed 0] [--out docs/async_curves.png] [key=value ...]
+    .venv/bin/python bench/async.py [--steps 12] [--etas 1 2] [--rounds 1] [--tool-seed 0] [--unshared] [--out docs/async_curves.png] [key=value ...]
 
 One SFT warm start (the quickstart's, `sft` command) is shared by every run; then the quickstart's
 RL runs from it (`trainer.init_from`) three times in turn: `trainer.mode=sync` (the default loss,
@@ -16,6 +16,10 @@ run, over its RL steps:
     trainer idle   share of step time the trainer waited for rollouts (sync: `gen`;
                    async: `timing_s/wait_rollout`)
     steps to 0.9   first validated step with val/accuracy >= 0.9 (validation every 2 steps)
+
+`--unshared` adds, for each eta, a run with `async.share_cores=false` (the Megatron rank keeps
+all its threads while the engine generates beside it) to every round, and its ratio to the last
+line (`unshared_eta1=`, `unshared_eta2=`).
 
 The last line: `speedup_eta1=X speedup_eta2=Y steps_ratio_eta1=Z` (async tokens/s over sync's,
 and async's steps to 0.9 over sync's; with `--rounds N`, the median over N rounds, each running
@@ -86,6 +90,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="runs of every mode, in turn (ratios: median)")
     p.add_argument("--out", default="")
     p.add_argument("--tool-seed", type=int, default=0, help="latency seed of round 1 (round k: + k - 1)")
+    p.add_argument("--unshared", action="store_true", help="also each eta with async.share_cores=false")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     py = sys.executable
@@ -106,6 +111,8 @@ def main() -> None:
         ]
         for eta in args.etas
     }
+    if args.unshared:
+        modes |= {f"eta{eta}-unshared": modes[f"eta{eta}"] + ["async.share_cores=false"] for eta in args.etas}
     rounds: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         sft_dir = Path(tmp) / "sft"
@@ -132,9 +139,12 @@ def main() -> None:
             values.append(a / b if key == "tokens_per_s" else a / max(b, 1))
         return f"{statistics.median(values):.2f}"
 
+    unshared = "".join(
+        f" unshared_eta{eta}={ratio(f'eta{eta}-unshared', 'tokens_per_s')}" for eta in (1, 2) if args.unshared
+    )
     print(
         f"speedup_eta1={ratio('eta1', 'tokens_per_s')} speedup_eta2={ratio('eta2', 'tokens_per_s')} "
-        f"steps_ratio_eta1={ratio('eta1', 'steps_to_0.9')}"
+        f"steps_ratio_eta1={ratio('eta1', 'steps_to_0.9')}{unshared}"
     )
 
 
@@ -142,11 +152,11 @@ def report(results: dict, title: str) -> None:
     """One round's table, phases and validation curves."""
     print(f"-- {title}")
     print(
-        f"{'run':8s} {'tokens/s':>9s} {'step s':>7s} {'engine idle':>12s} {'trainer idle':>13s} {'steps to 0.9':>13s}"
+        f"{'run':13s} {'tokens/s':>9s} {'step s':>7s} {'engine idle':>12s} {'trainer idle':>13s} {'steps to 0.9':>13s}"
     )
     for name, r in results.items():
         print(
-            f"{name:8s} {r['tokens_per_s']:9.1f} {r['step_s']:7.2f} {r['engine_idle']:12.2f} "
+            f"{name:13s} {r['tokens_per_s']:9.1f} {r['step_s']:7.2f} {r['engine_idle']:12.2f} "
             f"{r['trainer_idle']:13.2f} {str(r['steps_to_0.9']):>13s}"
         )
     for name, r in results.items():

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 
 logger = logging.getLogger(__name__)
 
+MEMFD_NAME = "megatron_agent_engine_activity"
+
 
 @dataclass(frozen=True)
 class ActivityHandle:
@@ -50,7 +52,7 @@ class EngineActivity:
     def __init__(self, node: str):
         """`node`: this machine's id as the ranks know theirs (a Ray node id)."""
         self.node = node
-        self.fd = os.memfd_create("megatron_agent_engine_activity", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         os.ftruncate(self.fd, 1)
         self._map = mmap.mmap(self.fd, 1)
         self._busy = False
@@ -84,7 +86,10 @@ class ActivityWatch:
             if h is None or h.node != node:
                 continue
             try:
-                fd = os.open(f"/proc/{h.pid}/fd/{h.fd}", os.O_RDONLY)
+                path = f"/proc/{h.pid}/fd/{h.fd}"
+                if not os.readlink(path).startswith(f"/memfd:{MEMFD_NAME}"):  # a pid or fd reused since
+                    raise OSError(f"{path} is not an engine's activity byte")
+                fd = os.open(path, os.O_RDONLY)
                 try:
                     self._maps.append(mmap.mmap(fd, 1, prot=mmap.PROT_READ))
                 finally:

@@ -1,7 +1,8 @@
 """Cores shared between a rollout engine and the Megatron ranks of its machine (platform/core_sharing.py).
 
 - the engine's byte, written in one process, is read in another through /proc (the way a rank
-  reads it); another machine's engine and an engine whose process is gone are not watched;
+  reads it); another machine's engine, an engine whose process is gone and a file of its that is
+  not the byte (a pid or fd reused) are not watched;
 - `ThreadSharing` sets torch's threads when each hooked layer's forward and backward begins: half
   of them while the engine generates, all of them otherwise; the hooks leave the values and the
   gradients unchanged, and `close` removes them;
@@ -55,6 +56,8 @@ def test_a_rank_reads_the_engine_process_byte(engine_process):
     say("idle")
     assert not watch.any_busy()
     assert len(ActivityWatch([handle], node="node-b")) == 0  # another machine's cores
+    stdin = {**handle, "fd": 0}  # the engine's pid with another of its files: not an activity byte
+    assert len(ActivityWatch([stdin], node="node-a")) == 0
     watch.close()
 
 

@@ -384,10 +384,6 @@ class MegatronWorker(MegatronRank, CriticRole):
     def _share_cores(self, activity: list) -> None:
         """Follow the activity of this machine's engines (`platform/core_sharing.py`), again
         from the start when they changed; nothing on GPU or with a single thread."""
-        import ray
-        from megatron.core.transformer.transformer_layer import TransformerLayer
-
-        from megatron_agent.platform.core_sharing import ActivityWatch, ThreadSharing
         from megatron_agent.platform.setup import has_cuda
 
         if self.sharing is not None:
@@ -395,6 +391,11 @@ class MegatronWorker(MegatronRank, CriticRole):
             self.sharing = None
         if not any(activity) or has_cuda() or torch.get_num_threads() < 2:
             return
+        import ray
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        from megatron_agent.platform.core_sharing import ActivityWatch, ThreadSharing
+
         watch = ActivityWatch(activity, ray.get_runtime_context().get_node_id())
         if not len(watch):
             return

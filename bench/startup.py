@@ -41,11 +41,11 @@ BASE_OVERRIDES = ["sft.steps=0", "trainer.total_steps=1", "logging.plot=false", 
 # Each component in a process of its own; it prints READY <seconds since its process started>.
 COMPONENT = r"""
 import json, os, sys, time
-from megatron_agent.train.startup import process_started_at  # psutil's start time is up to 1 s early
+from megatron_agent.train.startup import process_age  # psutil's start time is up to 1 s early
 kind, cfg_path, run_dir, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 out = os.fdopen(os.dup(1), "w")  # the workers send fds 1 and 2 to their log file
 def ready():
-    print("READY", time.time() - process_started_at(), file=out, flush=True)
+    print("READY", process_age(), file=out, flush=True)
 if kind == "ray":
     from megatron_agent.train.cluster import start_ray, stop_ray
     start_ray()

@@ -8,7 +8,7 @@ in the log:
     start-up: 19.6 s to the first step (inputs 2.2 [ray 3.1 in the background], wait_ray 0.9,
     workers 11.2 [megatron 5.7 | engines 11.2, concurrently], first_sync 0.2, validation 0.3)
 
-`total` counts from the process's start (`process_started_at`), so interpreter start-up and
+`total` counts from the process's start (`process_age`), so interpreter start-up and
 imports are in it: the time a user waits.
 """
 
@@ -30,29 +30,37 @@ from megatron_agent.platform.run_token import start_ticks
 CONCURRENT = {"inputs": ("ray",), "workers": ("megatron", "critic", "engines")}
 
 
-def process_started_at() -> float:
-    """When this process started, as a wall-clock time (seconds since the epoch), to 10 ms.
-
-    Not psutil's `create_time()`: it adds the start's clock ticks to the boot time that Linux
-    gives in whole seconds (/proc/stat's btime, rounded down), so it is up to 1 s early (0.6 s on
-    the machine where this was found, which made every start-up look that much longer). Here the
-    process's age is /proc/uptime minus its start ticks (`run_token.start_ticks`), both counted
-    from the same boot; psutil's figure where /proc has neither."""
+def process_age() -> float:
+    """Seconds since this process started, to 10 ms: /proc/uptime minus the start's clock ticks
+    (`run_token.start_ticks`), both counted from the same boot; psutil's figure where /proc has
+    neither."""
     ticks = start_ticks(os.getpid())
     try:
         uptime = float(Path("/proc/uptime").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         uptime = None
     if ticks is None or uptime is None:
-        return psutil.Process().create_time()
-    return time.time() - (uptime - int(ticks) / os.sysconf("SC_CLK_TCK"))
+        return time.time() - psutil.Process().create_time()
+    return uptime - int(ticks) / os.sysconf("SC_CLK_TCK")
+
+
+def process_started_at() -> float:
+    """When this process started, as a wall-clock time (seconds since the epoch), to 10 ms.
+
+    Not psutil's `create_time()`: it adds the start's clock ticks to the boot time that Linux
+    gives in whole seconds (/proc/stat's btime, rounded down), so it is up to 1 s early (0.6 s on
+    the machine where this was found, which made every start-up look that much longer). Here:
+    now minus `process_age()`."""
+    return time.time() - process_age()
 
 
 class StartupClock:
     """Start-up phases of one run, in the order they happened."""
 
     def __init__(self):
-        self.origin = process_started_at()  # wall clock, seconds since the epoch
+        # The process's start on the perf_counter clock: a step of the wall clock while the run
+        # starts (NTP, a virtual machine resumed) must not count as start-up time.
+        self.origin = time.perf_counter() - process_age()
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -70,7 +78,7 @@ class StartupClock:
 
     def total(self) -> float:
         """Seconds from the process's start until now."""
-        return time.time() - self.origin
+        return time.perf_counter() - self.origin
 
     def metrics(self) -> dict[str, float]:
         """`timing_s/startup/<phase>` for every phase, and `timing_s/startup/total` (until now)."""

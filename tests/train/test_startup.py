@@ -257,6 +257,22 @@ def test_startup_clock_metrics_and_line_with_concurrent_phases():
     assert float(found.group(1)) == pytest.approx(since_start, abs=0.5)
 
 
+def test_the_startup_total_ignores_a_step_of_the_wall_clock(monkeypatch):
+    # A run's start-up once read 29.7 s where its phases added up to 13.8 s: the total was the wall
+    # clock now minus the wall-clock start, so a step of the wall clock (NTP, a virtual machine
+    # resumed) counted as start-up. It is measured on perf_counter now.
+    from megatron_agent.train import startup
+
+    clock = startup.StartupClock()
+    before = clock.total()
+    real = time.time
+    monkeypatch.setattr(startup.time, "time", lambda: real() + 100.0)
+    after = clock.total()
+    monkeypatch.undo()
+    assert 0.0 <= after - before < 1.0, (before, after)
+    assert before == pytest.approx(startup.process_age(), abs=0.5)
+
+
 # ----------------------------------------------------------------------------- TreeMemory
 # A child that starts a grandchild holding 200 MB of written (resident) memory, then says "ready".
 HOLDER = "import sys, time; block = b'x' * (200 << 20); print('ready', flush=True); time.sleep(120)"

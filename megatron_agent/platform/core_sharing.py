@@ -25,7 +25,7 @@ import logging
 import mmap
 import os
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,6 @@ class ActivityHandle:
     """The machine of the engine (a Ray node id): only ranks on it share its cores."""
     pid: int
     fd: int
-
-    def to_dict(self) -> dict:
-        """Plain values (for Ray)."""
-        return asdict(self)
 
 
 class EngineActivity:
@@ -76,13 +72,12 @@ class EngineActivity:
 class ActivityWatch:
     """The rank's side: whether any engine of this machine is generating now."""
 
-    def __init__(self, handles: Iterable[dict | ActivityHandle | None], node: str):
-        """`handles`: every engine's `ActivityHandle` (or its dict; None for an engine without
-        one); those of other machines than `node` are left out. An engine whose byte cannot be
+    def __init__(self, handles: Iterable[ActivityHandle | None], node: str):
+        """`handles`: every engine's `ActivityHandle` (None for an engine without one); those of
+        other machines than `node` are left out. An engine whose byte cannot be
         opened (its process gone, a /proc that hides other processes) is left out with a warning."""
         self._maps: list[mmap.mmap] = []
         for h in handles:
-            h = ActivityHandle(**h) if isinstance(h, dict) else h
             if h is None or h.node != node:
                 continue
             try:

@@ -400,7 +400,7 @@ class MegatronWorker(MegatronRank, CriticRole):
         if not len(watch):
             return
         self.sharing = ThreadSharing(watch, torch.get_num_threads())
-        models = (m for m in (self.actor, self.ref, getattr(self, "critic", None)) if m is not None)
+        models = (m for m in (self.actor, self.ref, self.critic) if m is not None)
         self.sharing.install(
             layer
             for m in models

@@ -76,7 +76,6 @@ class RolloutWorker:
         tools = build_toolset(cfg, plan.tools, plan.search_index_dir)
         self.loop = build_agent_loop(cfg, self.engine, tools, turn_hook=hook)
         self.pump = self.loop.engine  # the AsyncEngine that steps the engine
-        self.activity = None
         if plan.share_cores and not cuda_available():  # the ranks of this machine follow its steps
             import ray
 
@@ -84,7 +83,7 @@ class RolloutWorker:
 
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
             try:
-                self.activity = self.pump.activity = EngineActivity(node)
+                self.pump.activity = EngineActivity(node)
             except (AttributeError, OSError) as exc:  # no memfd_create (not Linux): nothing shared
                 print(f"async.share_cores: the engine cannot publish its activity ({exc}); not shared")
 
@@ -92,10 +91,10 @@ class RolloutWorker:
         """Liveness check; returns the engine index."""
         return self.rank
 
-    def activity_handle(self) -> dict | None:
-        """Where the ranks of this machine read whether this engine generates (`async.share_cores`;
-        None when it does not say)."""
-        return self.activity.handle().to_dict() if self.activity is not None else None
+    def activity_handle(self):
+        """Where the ranks of this machine read whether this engine generates (an `ActivityHandle`,
+        `async.share_cores`; None when it does not say)."""
+        return self.pump.activity.handle() if self.pump.activity is not None else None
 
     # ----------------------------------------------------------------------------- rollouts
     def generate(self, tasks: list, n: int, greedy: bool = False) -> list:

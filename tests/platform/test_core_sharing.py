@@ -10,6 +10,7 @@
   steps, and idle once done.)
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,10 +21,10 @@ import torch
 from megatron_agent.platform.core_sharing import ActivityHandle, ActivityWatch, EngineActivity, ThreadSharing
 
 ENGINE = """
-import json, sys
+import dataclasses, json, sys
 from megatron_agent.platform.core_sharing import EngineActivity
 activity = EngineActivity("node-a")
-print(json.dumps(activity.handle().to_dict()), flush=True)
+print(json.dumps(dataclasses.asdict(activity.handle())), flush=True)
 for line in sys.stdin:
     activity.set_busy(line.strip() == "busy")
     print("ok", flush=True)
@@ -35,7 +36,7 @@ def engine_process():
     proc = subprocess.Popen(
         [sys.executable, "-c", ENGINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    handle = json.loads(proc.stdout.readline())
+    handle = ActivityHandle(**json.loads(proc.stdout.readline()))
 
     def say(state: str) -> None:
         proc.stdin.write(state + "\n")
@@ -56,7 +57,9 @@ def test_a_rank_reads_the_engine_process_byte(engine_process):
     say("idle")
     assert not watch.any_busy()
     assert len(ActivityWatch([handle], node="node-b")) == 0  # another machine's cores
-    stdin = {**handle, "fd": 0}  # the engine's pid with another of its files: not an activity byte
+    stdin = dataclasses.replace(
+        handle, fd=0
+    )  # the engine's pid with another of its files: not an activity byte
     assert len(ActivityWatch([stdin], node="node-a")) == 0
     watch.close()
 
@@ -65,9 +68,9 @@ def test_an_engine_whose_process_is_gone_is_not_watched(engine_process, caplog):
     proc, handle, _ = engine_process
     proc.kill()
     proc.wait()
-    watch = ActivityWatch([ActivityHandle(**handle)], node="node-a")
+    watch = ActivityWatch([handle], node="node-a")
     assert len(watch) == 0 and not watch.any_busy()
-    assert f"pid {handle['pid']}" in caplog.text
+    assert f"pid {handle.pid}" in caplog.text
 
 
 class Recorder(torch.nn.Module):

@@ -32,8 +32,10 @@ CONCURRENT = {"inputs": ("ray",), "workers": ("megatron", "critic", "engines")}
 
 def process_age() -> float:
     """Seconds since this process started, to 10 ms: /proc/uptime minus the start's clock ticks
-    (`run_token.start_ticks`), both counted from the same boot; psutil's figure where /proc has
-    neither."""
+    (`run_token.start_ticks`), both counted from the same boot. psutil's `create_time()` only where
+    /proc has neither: it adds the start's clock ticks to the boot time that Linux gives in whole
+    seconds (/proc/stat's btime, rounded down), so it is up to 1 s early (0.6 s on the machine
+    where this was found, which made every start-up look that much longer)."""
     ticks = start_ticks(os.getpid())
     try:
         uptime = float(Path("/proc/uptime").read_text().split()[0])
@@ -42,16 +44,6 @@ def process_age() -> float:
     if ticks is None or uptime is None:
         return time.time() - psutil.Process().create_time()
     return uptime - int(ticks) / os.sysconf("SC_CLK_TCK")
-
-
-def process_started_at() -> float:
-    """When this process started, as a wall-clock time (seconds since the epoch), to 10 ms.
-
-    Not psutil's `create_time()`: it adds the start's clock ticks to the boot time that Linux
-    gives in whole seconds (/proc/stat's btime, rounded down), so it is up to 1 s early (0.6 s on
-    the machine where this was found, which made every start-up look that much longer). Here:
-    now minus `process_age()`."""
-    return time.time() - process_age()
 
 
 class StartupClock:

@@ -213,7 +213,7 @@ def test_finish_together_holds_each_group_to_its_own_timeout(groups):
 def test_a_process_start_time_is_between_its_launch_and_its_first_line():
     # psutil's create_time() rounds the boot time down to a second: up to 1 s early, which this
     # bound catches wherever the rounding is larger than the 10 ms clock ticks.
-    code = "from megatron_agent.train.startup import process_started_at; print(process_started_at())"
+    code = "import time\nfrom megatron_agent.train.startup import process_age\nprint(time.time() - process_age())"
     for _ in range(3):
         launched = time.time()
         out = subprocess.run(
@@ -225,7 +225,7 @@ def test_a_process_start_time_is_between_its_launch_and_its_first_line():
 
 
 def test_startup_clock_metrics_and_line_with_concurrent_phases():
-    from megatron_agent.train.startup import StartupClock, process_started_at
+    from megatron_agent.train.startup import StartupClock, process_age
 
     clock = StartupClock()
     clock.add("inputs", 2.2)
@@ -243,7 +243,7 @@ def test_startup_clock_metrics_and_line_with_concurrent_phases():
     assert metrics["timing_s/startup/first_sync"] == pytest.approx(0.25)
     assert 0.05 <= metrics["timing_s/startup/wait_ray"] < 2
     # total: from the process's start (interpreter and imports included), until now
-    since_start = time.time() - process_started_at()
+    since_start = process_age()
     assert metrics["timing_s/startup/total"] == pytest.approx(since_start, abs=0.5)
     assert metrics["timing_s/startup/total"] > metrics["timing_s/startup/wait_ray"]
 

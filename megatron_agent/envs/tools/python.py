@@ -131,6 +131,11 @@ def remove_orphaned_workdirs(root: str | None = None) -> list[str]:
     return sorted(removed)
 
 
+@functools.cache
+def _sweep_workdirs_once(root: str) -> None:
+    remove_orphaned_workdirs(root)  # once per process and folder, like `cgroups.sweep_once`
+
+
 def _limits(memory_bytes: int, cpu_s: int, file_bytes: int, enter=None):
     def apply() -> None:
         import resource
@@ -206,7 +211,7 @@ class Python(Tool):
         """RLIMIT_AS of each process of a call."""
         self.prefix = () if self.sandboxed else unsandboxed_prefix()
         if not self.sandboxed:
-            remove_orphaned_workdirs()
+            _sweep_workdirs_once(tempfile.gettempdir())
         self.network_isolated = self.sandboxed or "--net" in self.prefix
         self.max_concurrent = max_concurrent or default_max_concurrent(memory_mb, copies)
         check_worst_case(memory_mb, self.max_concurrent, copies)
